@@ -1,0 +1,29 @@
+# Locates the installed PyTorch from the Python interpreter that runs the build and defines
+# the imported target `orca_torch` (headers, libraries, ABI flag). We do not use
+# find_package(Torch): its Caffe2 config insists on a CUDA toolkit whenever torch has CUDA,
+# which would break CPU-only builds against a CUDA torch.
+execute_process(
+  COMMAND "${Python_EXECUTABLE}" -c
+    "import os, torch; print(os.path.dirname(torch.__file__)); print(int(torch._C._GLIBCXX_USE_CXX11_ABI)); print(torch.version.cuda or ''); print(torch.__version__)"
+  OUTPUT_VARIABLE _torch_info OUTPUT_STRIP_TRAILING_WHITESPACE
+  RESULT_VARIABLE _torch_rc)
+if(NOT _torch_rc EQUAL 0)
+  message(FATAL_ERROR "orca_ext: cannot import torch with ${Python_EXECUTABLE}. "
+                      "Install torch first and build with --no-build-isolation.")
+endif()
+string(REPLACE "\n" ";" _torch_info "${_torch_info}")
+list(GET _torch_info 0 TORCH_DIR)
+list(GET _torch_info 1 TORCH_CXX11_ABI)
+list(GET _torch_info 2 TORCH_CUDA_VERSION)
+list(GET _torch_info 3 TORCH_VERSION)
+message(STATUS "orca_ext: torch ${TORCH_VERSION} at ${TORCH_DIR} (CUDA: '${TORCH_CUDA_VERSION}')")
+
+add_library(orca_torch INTERFACE)
+target_include_directories(orca_torch SYSTEM INTERFACE
+  "${TORCH_DIR}/include" "${TORCH_DIR}/include/torch/csrc/api/include")
+target_compile_definitions(orca_torch INTERFACE
+  _GLIBCXX_USE_CXX11_ABI=${TORCH_CXX11_ABI} TORCH_EXTENSION_NAME=_C TORCH_API_INCLUDE_EXTENSION_H)
+foreach(_lib c10 torch torch_cpu torch_python)
+  find_library(ORCA_TORCH_LIB_${_lib} ${_lib} PATHS "${TORCH_DIR}/lib" NO_DEFAULT_PATH REQUIRED)
+  target_link_libraries(orca_torch INTERFACE "${ORCA_TORCH_LIB_${_lib}}")
+endforeach()

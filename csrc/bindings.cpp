@@ -1,0 +1,70 @@
+// Python module orca_ext._C: loading it registers torch.ops.orca (registration.cpp and the
+// kernels' TORCH_LIBRARY_IMPL blocks); it also binds the KV slot allocator.
+#include <torch/extension.h>
+
+#include "kv/slot_allocator.h"
+
+namespace py = pybind11;
+using orca::kv::SlotAllocator;
+
+namespace {
+
+py::tuple build_metadata(const SlotAllocator& alloc, const std::vector<int64_t>& request_ids,
+                         const std::vector<int64_t>& num_computed,
+                         const std::vector<int64_t>& num_new) {
+  const int64_t batch = static_cast<int64_t>(request_ids.size());
+  if (num_computed.size() != request_ids.size() || num_new.size() != request_ids.size()) {
+    throw std::invalid_argument("build_metadata: request_ids, num_computed and num_new must have "
+                                "the same length, got " + std::to_string(request_ids.size()) +
+                                ", " + std::to_string(num_computed.size()) + ", " +
+                                std::to_string(num_new.size()));
+  }
+  const auto shape =
+      alloc.metadata_shape(request_ids.data(), num_computed.data(), num_new.data(), batch);
+  const auto i32 = torch::dtype(torch::kInt32);
+  const auto i64 = torch::dtype(torch::kInt64);
+  auto cu_q_lens = torch::empty({batch + 1}, i32);
+  auto context_lens = torch::empty({batch}, i32);
+  auto block_table = torch::empty({batch, shape.max_blocks}, i32);
+  auto slot_mapping = torch::empty({shape.num_tokens}, i64);
+  auto positions = torch::empty({shape.num_tokens}, i64);
+  alloc.fill_metadata(request_ids.data(), num_computed.data(), num_new.data(), shape,
+                      cu_q_lens.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
+                      block_table.data_ptr<int32_t>(), slot_mapping.data_ptr<int64_t>(),
+                      positions.data_ptr<int64_t>());
+  return py::make_tuple(cu_q_lens, context_lens, block_table, slot_mapping, positions);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "orca_ext compiled core: torch.ops.orca kernels and the KV slot allocator";
+  m.def("has_cuda", [] { return static_cast<bool>(ORCA_EXT_HAS_CUDA); },
+        "Whether this build contains the CUDA kernels");
+
+  py::register_exception<orca::kv::KVCacheFullError>(m, "KVCacheFullError", PyExc_RuntimeError);
+  py::register_exception<orca::kv::UnknownRequestError>(m, "UnknownRequestError", PyExc_KeyError);
+
+  py::class_<SlotAllocator>(m, "SlotAllocator",
+                            "Fixed pool of num_blocks x block_size KV slots with per-request "
+                            "block lists (see docs/internals.md)")
+      .def(py::init<int64_t, int64_t>(), py::arg("num_blocks"), py::arg("block_size"))
+      .def("allocate", &SlotAllocator::allocate, py::arg("request_id"), py::arg("num_tokens"),
+           "Give a new request blocks for num_tokens slots")
+      .def("extend", &SlotAllocator::extend, py::arg("request_id"), py::arg("total_tokens"),
+           "Grow a request's blocks to hold total_tokens slots")
+      .def("free", &SlotAllocator::free, py::arg("request_id"), "Return a request's blocks")
+      .def("can_allocate", &SlotAllocator::can_allocate, py::arg("num_tokens"))
+      .def("blocks_needed", &SlotAllocator::blocks_needed, py::arg("num_tokens"))
+      .def("capacity", &SlotAllocator::capacity, py::arg("request_id"))
+      .def("blocks", &SlotAllocator::blocks, py::arg("request_id"))
+      .def("__contains__", &SlotAllocator::contains)
+      .def_property_readonly("num_blocks", &SlotAllocator::num_blocks)
+      .def_property_readonly("block_size", &SlotAllocator::block_size)
+      .def_property_readonly("num_free_blocks", &SlotAllocator::num_free_blocks)
+      .def_property_readonly("num_used_blocks", &SlotAllocator::num_used_blocks)
+      .def_property_readonly("num_requests", &SlotAllocator::num_requests)
+      .def("build_metadata", &build_metadata, py::arg("request_ids"), py::arg("num_computed"),
+           py::arg("num_new"),
+           "(cu_q_lens, context_lens, block_table, slot_mapping, positions) for one iteration");
+}

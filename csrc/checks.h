@@ -1,0 +1,166 @@
+// Input validation shared by the CPU and CUDA launchers. Every failed check raises a Python
+// RuntimeError (via TORCH_CHECK) naming the argument and the expected vs given value.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+
+#include <cmath>
+#include <string>
+
+// float32, bfloat16 and float16: the dtypes every orca op supports.
+#define ORCA_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                 \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                   \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)     \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)  \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+namespace orca {
+
+inline std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
+
+inline void check_dim(const at::Tensor& t, const char* name, int64_t dim, const char* layout) {
+  TORCH_CHECK(t.dim() == dim, name, " must be ", dim, "-D ", layout, ", got shape ", shape_str(t));
+}
+
+inline void check_dtype(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ",
+              t.scalar_type());
+}
+
+inline void check_float_dtype(const at::Tensor& t, const char* name) {
+  const auto dt = t.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, name,
+              " must be float32, bfloat16 or float16, got ", dt);
+}
+
+inline void check_same_dtype(const at::Tensor& t, const char* name, const at::Tensor& ref,
+                             const char* ref_name) {
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), name, " has dtype ", t.scalar_type(),
+              " but ", ref_name, " has dtype ", ref.scalar_type(), "; they must match");
+}
+
+inline void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& ref,
+                              const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name,
+              " is on ", ref.device(), "; they must be on the same device");
+}
+
+inline void check_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous (shape ", shape_str(t), ", strides ",
+              c10::str(t.strides()), ")");
+}
+
+// Shapes and dtypes of ragged_attention's inputs; value checks (block ids, monotone offsets)
+// need the metadata on the host and are done by the CPU launcher only.
+struct AttentionShape {
+  int64_t num_tokens, num_q_heads, num_kv_heads, head_dim, num_blocks, block_size, batch,
+      max_blocks;
+};
+
+inline AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache,
+                                             const at::Tensor& v_cache,
+                                             const at::Tensor& cu_q_lens,
+                                             const at::Tensor& context_lens,
+                                             const at::Tensor& block_table, double scale) {
+  check_dim(q, "q", 3, "[T, Hq, D]");
+  check_dim(k_cache, "k_cache", 4, "[num_blocks, block_size, Hkv, D]");
+  check_float_dtype(q, "q");
+  check_same_dtype(k_cache, "k_cache", q, "q");
+  check_same_dtype(v_cache, "v_cache", q, "q");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache shape ", shape_str(v_cache),
+              " must equal k_cache shape ", shape_str(k_cache));
+  check_contiguous(k_cache, "k_cache");
+  check_contiguous(v_cache, "v_cache");
+  check_dim(cu_q_lens, "cu_q_lens", 1, "[B+1]");
+  check_dim(context_lens, "context_lens", 1, "[B]");
+  check_dim(block_table, "block_table", 2, "[B, max_blocks]");
+  check_dtype(cu_q_lens, "cu_q_lens", at::kInt);
+  check_dtype(context_lens, "context_lens", at::kInt);
+  check_dtype(block_table, "block_table", at::kInt);
+  for (const auto& [t, name] : {std::pair{&k_cache, "k_cache"}, {&v_cache, "v_cache"},
+                                {&cu_q_lens, "cu_q_lens"}, {&context_lens, "context_lens"},
+                                {&block_table, "block_table"}}) {
+    check_same_device(*t, name, q, "q");
+  }
+  AttentionShape s{q.size(0),       q.size(1),       k_cache.size(2),      q.size(2),
+                   k_cache.size(0), k_cache.size(1), context_lens.size(0), block_table.size(1)};
+  TORCH_CHECK(k_cache.size(3) == s.head_dim, "k_cache head_dim ", k_cache.size(3),
+              " must equal q head_dim ", s.head_dim);
+  TORCH_CHECK(s.num_kv_heads > 0 && s.num_q_heads % s.num_kv_heads == 0, "q has ",
+              s.num_q_heads, " heads, which is not a multiple of the cache's ", s.num_kv_heads,
+              " KV heads");
+  TORCH_CHECK(s.block_size >= 1, "k_cache block_size must be >= 1, got ", s.block_size);
+  TORCH_CHECK(cu_q_lens.size(0) == s.batch + 1, "cu_q_lens must have B+1 = ", s.batch + 1,
+              " entries (B = context_lens.size(0)), got ", cu_q_lens.size(0));
+  TORCH_CHECK(block_table.size(0) == s.batch, "block_table must have B = ", s.batch,
+              " rows, got shape ", shape_str(block_table));
+  TORCH_CHECK(s.head_dim >= 1 && s.head_dim <= 256, "head_dim must be in [1, 256], got ",
+              s.head_dim);
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, "scale must be a finite positive number, got ",
+              scale);
+  return s;
+}
+
+inline void check_store_kv_inputs(const at::Tensor& key, const at::Tensor& value,
+                                  const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& slot_mapping) {
+  check_dim(key, "key", 3, "[T, Hkv, D]");
+  check_dim(k_cache, "k_cache", 4, "[num_blocks, block_size, Hkv, D]");
+  check_float_dtype(k_cache, "k_cache");
+  TORCH_CHECK(value.sizes() == key.sizes(), "value shape ", shape_str(value),
+              " must equal key shape ", shape_str(key));
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache shape ", shape_str(v_cache),
+              " must equal k_cache shape ", shape_str(k_cache));
+  check_same_dtype(key, "key", k_cache, "k_cache");
+  check_same_dtype(value, "value", k_cache, "k_cache");
+  check_same_dtype(v_cache, "v_cache", k_cache, "k_cache");
+  TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3), "key is ",
+              shape_str(key), " but the cache holds [Hkv, D] = [", k_cache.size(2), ", ",
+              k_cache.size(3), "]");
+  check_dim(slot_mapping, "slot_mapping", 1, "[T]");
+  check_dtype(slot_mapping, "slot_mapping", at::kLong);
+  TORCH_CHECK(slot_mapping.size(0) == key.size(0), "slot_mapping has ", slot_mapping.size(0),
+              " entries but key has T = ", key.size(0), " tokens");
+  check_contiguous(k_cache, "k_cache");
+  check_contiguous(v_cache, "v_cache");
+  for (const auto& [t, name] : {std::pair{&value, "value"}, {&k_cache, "k_cache"},
+                                {&v_cache, "v_cache"}, {&slot_mapping, "slot_mapping"}}) {
+    check_same_device(*t, name, key, "key");
+  }
+}
+
+enum class Activation { kNone, kGeluTanh, kRelu, kSiluAndMul };
+
+inline Activation parse_activation(c10::string_view name) {
+  if (name == "none") return Activation::kNone;
+  if (name == "gelu_tanh") return Activation::kGeluTanh;
+  if (name == "relu") return Activation::kRelu;
+  if (name == "silu_and_mul") return Activation::kSiluAndMul;
+  TORCH_CHECK(false, "activation must be one of 'none', 'gelu_tanh', 'relu', 'silu_and_mul', got '",
+              std::string(name), "'");
+}
+
+inline void check_linear_inputs(const at::Tensor& x, const at::Tensor& weight,
+                                const std::optional<at::Tensor>& bias, Activation act) {
+  check_dim(x, "x", 2, "[T, K]");
+  check_dim(weight, "weight", 2, "[N, K]");
+  check_float_dtype(x, "x");
+  check_same_dtype(weight, "weight", x, "x");
+  check_same_device(weight, "weight", x, "x");
+  TORCH_CHECK(weight.size(1) == x.size(1), "weight is ", shape_str(weight), " but x is ",
+              shape_str(x), ": weight.size(1) must equal x.size(1) (K)");
+  if (act == Activation::kSiluAndMul) {
+    TORCH_CHECK(weight.size(0) % 2 == 0, "silu_and_mul needs weight [2I, K] (gate rows then up "
+                "rows), got an odd number of rows: ", shape_str(weight));
+  }
+  if (bias.has_value()) {
+    check_dim(*bias, "bias", 1, "[N]");
+    check_same_dtype(*bias, "bias", x, "x");
+    check_same_device(*bias, "bias", x, "x");
+    TORCH_CHECK(bias->size(0) == weight.size(0), "bias has ", bias->size(0),
+                " entries but weight has N = ", weight.size(0), " rows");
+  }
+}
+
+}  // namespace orca

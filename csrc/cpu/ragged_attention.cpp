@@ -1,0 +1,171 @@
+// ragged_attention on CPU: validates the metadata, plans work items (request x KV head x
+// query block x KV split), runs them with dynamic load balancing across the intra-op
+// threads, then merges split partials. Kernel math: csrc/include/orca/cpu/attention.h.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cmath>
+#include <numeric>
+
+#include "checks.h"
+#include "orca/cpu/attention.h"
+
+namespace orca {
+namespace {
+
+using cpu::AttentionWork;
+
+constexpr int64_t kMaxRowsPerItem = 64;  // query rows (queries x group heads) per item
+constexpr int64_t kMinSplitKv = 256;     // never split KV ranges below this many positions
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+void check_metadata_values(const AttentionShape& s, const int32_t* cu, const int32_t* ctx,
+                           const int32_t* table) {
+  TORCH_CHECK(cu[0] == 0, "cu_q_lens[0] must be 0, got ", cu[0]);
+  TORCH_CHECK(cu[s.batch] == s.num_tokens, "cu_q_lens[B] = ", cu[s.batch],
+              " must equal the number of query tokens T = ", s.num_tokens);
+  for (int64_t r = 0; r < s.batch; ++r) {
+    const int64_t q_len = cu[r + 1] - cu[r];
+    TORCH_CHECK(q_len >= 0, "cu_q_lens must be non-decreasing, but cu_q_lens[", r + 1, "] = ",
+                cu[r + 1], " < cu_q_lens[", r, "] = ", cu[r]);
+    TORCH_CHECK(ctx[r] >= q_len, "context_lens[", r, "] = ", ctx[r],
+                " is smaller than request ", r, "'s query length ", q_len);
+    const int64_t used = ceil_div(ctx[r], s.block_size);
+    TORCH_CHECK(used <= s.max_blocks, "context_lens[", r, "] = ", ctx[r], " needs ", used,
+                " blocks of ", s.block_size, " but block_table has ", s.max_blocks, " columns");
+    for (int64_t b = 0; b < used; ++b) {
+      const int32_t id = table[r * s.max_blocks + b];
+      TORCH_CHECK(id >= 0 && id < s.num_blocks, "block_table[", r, ", ", b, "] = ", id,
+                  " is out of range for a cache of ", s.num_blocks, " blocks");
+    }
+  }
+}
+
+struct Plan {
+  std::vector<AttentionWork> items;  // in execution order (costliest first)
+  std::vector<std::pair<AttentionWork, int64_t>> merges;  // first split of a group, num splits
+  int64_t partial_rows = 0;
+};
+
+Plan make_plan(const AttentionShape& s, const int32_t* cu, const int32_t* ctx) {
+  const int64_t G = s.num_q_heads / s.num_kv_heads;
+  const int64_t q_block = std::max<int64_t>(1, kMaxRowsPerItem / G);
+  struct Group { AttentionWork work; double cost; };
+  std::vector<Group> groups;
+  double total = 0;
+  for (int64_t r = 0; r < s.batch; ++r) {
+    const int64_t q_len = cu[r + 1] - cu[r], first_pos = ctx[r] - q_len;
+    for (int64_t qb = 0; qb < q_len; qb += q_block) {
+      const int64_t qe = std::min(q_len, qb + q_block);
+      const int64_t kv_end = first_pos + qe;
+      // Gathering a KV tile costs about as much as a few query rows of math on it.
+      const double cost = static_cast<double>(kv_end) * ((qe - qb) * G + 8);
+      for (int64_t h = 0; h < s.num_kv_heads; ++h) {
+        groups.push_back({{static_cast<int32_t>(r), static_cast<int32_t>(h),
+                           static_cast<int32_t>(qb), static_cast<int32_t>(qe), 0,
+                           static_cast<int32_t>(kv_end), -1},
+                          cost});
+        total += cost;
+      }
+    }
+  }
+  // Split long KV ranges so that there are about four items per thread.
+  const double target = total / (4.0 * at::get_num_threads());
+  std::vector<std::pair<double, AttentionWork>> items;
+  Plan plan;
+  for (const auto& g : groups) {
+    const int64_t kv_end = g.work.kv_end;
+    int64_t splits = std::min<int64_t>(static_cast<int64_t>(std::ceil(g.cost / target)),
+                                       kv_end / kMinSplitKv);
+    if (splits <= 1) {
+      items.emplace_back(g.cost, g.work);
+      continue;
+    }
+    const int64_t chunk = round_up(ceil_div(kv_end, splits), cpu::kKvTile);
+    splits = ceil_div(kv_end, chunk);
+    const int64_t rows = (g.work.q_end - g.work.q_begin) * G;
+    AttentionWork first = g.work;
+    first.partial_row = plan.partial_rows;
+    plan.merges.emplace_back(first, splits);
+    for (int64_t sp = 0; sp < splits; ++sp) {
+      AttentionWork w = g.work;
+      w.kv_begin = static_cast<int32_t>(sp * chunk);
+      w.kv_end = static_cast<int32_t>(std::min(kv_end, (sp + 1) * chunk));
+      w.partial_row = plan.partial_rows;
+      plan.partial_rows += rows;
+      items.emplace_back(g.cost / splits, w);
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const auto& x, const auto& y) { return x.first > y.first; });
+  plan.items.reserve(items.size());
+  for (const auto& it : items) plan.items.push_back(it.second);
+  return plan;
+}
+
+// Runs fn(i) for i in [0, n) on the intra-op threads, each taking the next index when it is
+// free (items have very unequal costs, so static chunks would leave a core idle).
+template <typename F>
+void run_dynamic(int64_t n, const F& fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < n; i = next++) fn(i);
+  });
+}
+
+template <typename scalar_t, int kD>
+void run_attention(const cpu::AttentionArgs<scalar_t>& args, const Plan& plan,
+                   const cpu::Partials& part) {
+  run_dynamic(static_cast<int64_t>(plan.items.size()), [&](int64_t i) {
+    thread_local cpu::AttentionScratch scratch;
+    cpu::attend<kD>(args, plan.items[i], scratch, part);
+  });
+  run_dynamic(static_cast<int64_t>(plan.merges.size()), [&](int64_t i) {
+    cpu::merge_partials(args, plan.merges[i].first, plan.merges[i].second, part);
+  });
+}
+
+at::Tensor ragged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, const at::Tensor& cu_q_lens_in,
+                                const at::Tensor& context_lens_in,
+                                const at::Tensor& block_table_in, double scale) {
+  const AttentionShape s = check_attention_inputs(q_in, k_cache, v_cache, cu_q_lens_in,
+                                                  context_lens_in, block_table_in, scale);
+  const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
+  const at::Tensor cu_q_lens = cu_q_lens_in.contiguous(), context_lens = context_lens_in.contiguous(),
+                   block_table = block_table_in.contiguous();
+  const int32_t* cu = cu_q_lens.data_ptr<int32_t>();
+  const int32_t* ctx = context_lens.data_ptr<int32_t>();
+  check_metadata_values(s, cu, ctx, block_table.data_ptr<int32_t>());
+  at::Tensor out = at::empty({s.num_tokens, s.num_q_heads, s.head_dim}, q.options());
+  if (s.num_tokens == 0) return out;
+
+  const Plan plan = make_plan(s, cu, ctx);
+  at::Tensor part_o = at::empty({plan.partial_rows, s.head_dim}, q.options().dtype(at::kFloat));
+  at::Tensor part_ml = at::empty({2, plan.partial_rows}, q.options().dtype(at::kFloat));
+  const cpu::Partials part{part_o.data_ptr<float>(), part_ml.data_ptr<float>(),
+                           part_ml.data_ptr<float>() + plan.partial_rows};
+  ORCA_DISPATCH_FLOAT_TYPES(q.scalar_type(), "ragged_attention", [&] {
+    const cpu::AttentionArgs<scalar_t> args{
+        q.data_ptr<scalar_t>(), q.stride(0), q.stride(1),
+        k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+        cu, ctx, block_table.data_ptr<int32_t>(), s.max_blocks, s.block_size,
+        s.num_q_heads, s.num_kv_heads, s.head_dim, static_cast<float>(scale)};
+    switch (s.head_dim) {
+      case 64: run_attention<scalar_t, 64>(args, plan, part); break;
+      case 128: run_attention<scalar_t, 128>(args, plan, part); break;
+      default: run_attention<scalar_t, 0>(args, plan, part);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(orca, CPU, m) { m.impl("ragged_attention", &ragged_attention_cpu); }
+
+}  // namespace orca

@@ -1,0 +1,47 @@
+// store_kv on CPU: copy each new token's K/V rows into its slot of the paged cache.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+#include "checks.h"
+
+namespace orca {
+namespace {
+
+void store_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                  at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  check_store_kv_inputs(key, value, k_cache, v_cache, slot_mapping);
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1,
+              "key and value must have a contiguous last (head_dim) dimension");
+  const int64_t T = key.size(0), H = key.size(1), D = key.size(2);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slot[t] < num_slots, "slot_mapping[", t, "] = ", slot[t],
+                " is out of range for a cache of ", num_slots, " slots");
+  }
+  const int64_t row_bytes = D * key.element_size();
+  auto copy_rows = [&](const at::Tensor& src, at::Tensor& cache) {
+    const auto* base = static_cast<const char*>(src.data_ptr());
+    auto* dst = static_cast<char*>(cache.data_ptr());
+    const int64_t st = src.stride(0) * src.element_size(), sh = src.stride(1) * src.element_size();
+    at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        if (slot[t] < 0) continue;
+        for (int64_t h = 0; h < H; ++h) {
+          std::memcpy(dst + (slot[t] * H + h) * row_bytes, base + t * st + h * sh, row_bytes);
+        }
+      }
+    });
+  };
+  copy_rows(key, k_cache);
+  copy_rows(value, v_cache);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(orca, CPU, m) { m.impl("store_kv", &store_kv_cpu); }
+
+}  // namespace orca

@@ -1,0 +1,11 @@
+// The one TORCH_LIBRARY of orca_ext: every op schema. Kernels register per device in
+// csrc/cpu/*.cpp and csrc/cuda/*.cu; fake (meta) kernels are in orca_ext/ops.py.
+#include <torch/library.h>
+
+TORCH_LIBRARY(orca, m) {
+  m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias, str activation=\"none\") -> Tensor");
+  m.def("store_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping) -> ()");
+  m.def("ragged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_q_lens, "
+        "Tensor context_lens, Tensor block_table, float scale) -> Tensor");
+}

@@ -1,0 +1,15 @@
+"""orca_ext: an Orca-style LLM serving engine built on PyTorch custom ops."""
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from . import _C, ops  # noqa: F401  (registers torch.ops.orca)
+from .sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+
+def has_cuda() -> bool:
+    """Whether this build of the extension contains the CUDA kernels."""
+    return _C.has_cuda()
+
+
+__all__ = ["SamplingParams", "__version__", "has_cuda", "ops"]

@@ -1,0 +1,132 @@
+"""Layers shared by the model families; all work on packed tokens ``[T, ...]``.
+
+Linear layers go through ``ops.packed_linear`` (bias and activation fused), attention through
+``ops.store_kv`` + ``ops.ragged_attention``. Norms, embeddings and rotary are plain vectorized
+torch ops. Parameters are created uninitialized (the loader or the built-in model fills them).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+
+
+@dataclass
+class AttentionMetadata:
+    """One iteration's attention metadata, built once and shared by every layer."""
+
+    cu_q_lens: torch.Tensor  # int32 [B+1]
+    context_lens: torch.Tensor  # int32 [B]
+    block_table: torch.Tensor  # int32 [B, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [T]
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``activation(x @ weight.T + bias)``; ``silu_and_mul`` halves the output width."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 activation: str = "none") -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features)
+        self.bias = _param(out_features) if bias else None
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.packed_linear(x, self.weight, self.bias, self.activation)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int) -> None:
+        super().__init__()
+        self.weight = _param(num_embeddings, dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = _param(dim)
+        self.bias = _param(dim)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm: normalized in float32, cast back, then scaled."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = _param(dim)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` (float32), with linear or llama3 scaling."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: keep high frequencies, divide low ones by factor, interpolate in between.
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) rotary position embedding."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling),
+                             persistent=False)
+
+    def forward(self, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, head_dim // 2]`` for the packed positions; computed once per
+        iteration in float32, as Hugging Face does."""
+        freqs = positions[:, None].float() * self.inv_freq
+        return freqs.cos().to(dtype)[:, None], freqs.sin().to(dtype)[:, None]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, H, D]`` by the per-token angles."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Store the new tokens' ``k``/``v`` ``[T, Hkv, D]`` in this layer's cache, then attend with
+    ``q [T, Hq, D]`` over each request's cached context. Returns ``[T, Hq * D]``."""
+    k_cache, v_cache = kv_cache
+    ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = ops.ragged_attention(q, k_cache, v_cache, meta.cu_q_lens, meta.context_lens,
+                               meta.block_table, scale)
+    return out.view(q.shape[0], -1)

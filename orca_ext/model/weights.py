@@ -1,0 +1,100 @@
+"""Moving weights between our modules and Hugging Face safetensors checkpoints.
+
+Each family file gives a map: our parameter name -> ``HFWeight`` (the checkpoint tensors it is
+made of). Fused parameters (QKV, gate+up) are the concatenation of theirs along dim 0.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+_MAX_LISTED = 8
+
+
+class HFWeight(NamedTuple):
+    names: tuple[str, ...]  # checkpoint tensor names, in concatenation order
+    transpose: bool = False  # stored [in, out] (GPT-2's Conv1D)
+    sizes: tuple[int, ...] | None = None  # rows each name contributes (None: one whole tensor)
+
+
+def _listed(names: list[str]) -> str:
+    more = f" ... and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
+    return ", ".join(names[:_MAX_LISTED]) + more
+
+
+def safetensors_index(folder: Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> the .safetensors file holding it (single or sharded)."""
+    index_file = folder / "model.safetensors.index.json"
+    if index_file.is_file():
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        files = {name: folder / file for name, file in weight_map.items()}
+        absent = sorted({str(f.name) for f in files.values() if not f.is_file()})
+        if absent:
+            raise FileNotFoundError(f"{index_file} names shard files that are missing: "
+                                    f"{_listed(absent)}")
+        return files
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder} (other weight formats "
+                                "such as pytorch_model.bin are not supported)")
+    files = {}
+    for shard in shards:
+        with safe_open(shard, framework="pt") as f:
+            files.update(dict.fromkeys(f.keys(), shard))
+    return files
+
+
+def load_hf_weights(model: nn.Module, weight_map: dict[str, HFWeight], folder: Path,
+                    canonical_name: Callable[[str], str], ignored: re.Pattern[str]) -> None:
+    """Fill ``model``'s parameters from the checkpoint in ``folder``; every parameter must be
+    found with the right shape, and every checkpoint tensor used (or knowingly ignored)."""
+    files = {canonical_name(name): (name, path)
+             for name, path in safetensors_index(folder).items()}
+    params = dict(model.named_parameters())
+    wanted = [n for w in weight_map.values() for n in w.names]
+    missing = [n for n in wanted if n not in files]
+    if missing:
+        raise ValueError(f"{folder}: checkpoint lacks tensors that "
+                         f"{model.config.architecture} needs: {_listed(missing)}")
+    unused = sorted(set(files) - set(wanted))
+    unexpected = [n for n in unused if not ignored.search(n) and n != "lm_head.weight"]
+    if unexpected:
+        raise ValueError(f"{folder}: checkpoint has tensors that {model.config.architecture} "
+                         f"with this config.json does not use: {_listed(unexpected)}")
+    handles: dict[Path, Any] = {}
+    for our_name, spec in weight_map.items():
+        param = params[our_name]
+        parts = []
+        for name, rows in zip(spec.names, spec.sizes or (param.shape[0],)):
+            stored_name, path = files[name]
+            if path not in handles:
+                handles[path] = safe_open(path, framework="pt")
+            tensor = handles[path].get_tensor(stored_name)
+            expected = (rows, *param.shape[1:])
+            if spec.transpose:
+                expected = expected[::-1]
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"{folder}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {expected} from config.json")
+            parts.append(tensor.t() if spec.transpose else tensor)
+        param.copy_(torch.cat(parts) if len(parts) > 1 else parts[0])
+
+
+def save_hf_weights(model: nn.Module, weight_map: dict[str, HFWeight], file: Path) -> None:
+    """Write ``model``'s parameters as one Hugging Face-named safetensors file."""
+    params = dict(model.named_parameters())
+    tensors = {}
+    for our_name, spec in weight_map.items():
+        param = params[our_name].detach().cpu()
+        parts = param.split(list(spec.sizes)) if spec.sizes else (param,)
+        for name, part in zip(spec.names, parts):
+            tensors[name] = (part.t() if spec.transpose else part).contiguous()
+    save_file(tensors, str(file), metadata={"format": "pt"})

@@ -1,0 +1,58 @@
+"""Typed wrappers and fake (meta) registrations for the ``torch.ops.orca`` ops.
+
+The schemas live in ``csrc/registration.cpp``; CPU kernels in ``csrc/cpu/``, CUDA kernels in
+``csrc/cuda/``. The fake registrations let ``torch.compile`` trace the ops without running them.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _C  # noqa: F401  (loads the library that registers torch.ops.orca)
+
+ACTIVATIONS = ("none", "gelu_tanh", "relu", "silu_and_mul")
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  activation: str = "none") -> torch.Tensor:
+    """``activation(x @ weight.T + bias)`` on packed tokens ``x [T, K]``, ``weight [N, K]``.
+
+    The bias and activation run in the GEMM's epilogue. ``silu_and_mul`` takes ``weight [2I, K]``
+    (gate rows, then up rows) and returns ``silu(gate) * up`` of shape ``[T, I]``.
+    """
+    return torch.ops.orca.packed_linear(x, weight, bias, activation)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write ``key``/``value`` ``[T, Hkv, D]`` into the caches ``[num_blocks, block_size, Hkv, D]``
+    at flat slots ``slot_mapping [T]`` (int64); a negative slot is skipped."""
+    torch.ops.orca.store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     cu_q_lens: torch.Tensor, context_lens: torch.Tensor,
+                     block_table: torch.Tensor, scale: float) -> torch.Tensor:
+    """Split-and-merge causal attention of packed queries ``q [T, Hq, D]`` over paged KV.
+
+    Request ``r`` owns query rows ``cu_q_lens[r]:cu_q_lens[r+1]``; its query ``i`` sits at
+    position ``context_lens[r] - q_len + i`` and attends to KV positions ``0..pos`` found through
+    ``block_table[r]``. Returns ``[T, Hq, D]`` in packed order.
+    """
+    return torch.ops.orca.ragged_attention(q, k_cache, v_cache, cu_q_lens, context_lens,
+                                           block_table, scale)
+
+
+@torch.library.register_fake("orca::packed_linear")
+def _packed_linear_fake(x, weight, bias=None, activation="none"):
+    n = weight.shape[0] // 2 if activation == "silu_and_mul" else weight.shape[0]
+    return x.new_empty((x.shape[0], n))
+
+
+@torch.library.register_fake("orca::store_kv")
+def _store_kv_fake(key, value, k_cache, v_cache, slot_mapping):
+    return None
+
+
+@torch.library.register_fake("orca::ragged_attention")
+def _ragged_attention_fake(q, k_cache, v_cache, cu_q_lens, context_lens, block_table, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -1,0 +1,54 @@
+"""One sequence as the scheduler sees it: token ids, progress, and why it ended."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    """A sequence to generate (one per sample: the engine expands ``n > 1`` into n of these).
+
+    ``all_token_ids[:num_computed]`` have their KV stored; the rest are run next (the prompt or a
+    prompt chunk, a whole recomputed sequence after preemption, or the last sampled token).
+    ``max_new_tokens`` is ``max_tokens`` already capped by the context length, so a request's
+    whole life needs at most ``max_total_tokens`` KV slots.
+    """
+
+    request_id: int
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed: int = 0
+    in_flight: bool = False  # inside a batch the executor has not returned yet
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_token_ids) + self.max_new_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append_token(self, token_id: int) -> tuple[str, int | None] | None:
+        """Record a sampled token; return ``(finish_reason, stop_reason)`` if it ends the request."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if token_id in self.stop_token_ids:
+            return "stop", token_id
+        if len(self.output_token_ids) >= self.max_new_tokens:
+            return "length", None
+        return None

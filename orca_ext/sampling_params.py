@@ -1,0 +1,75 @@
+"""Per-request sampling parameters (vLLM-compatible names and defaults)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output.
+
+    ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
+    ``logprobs=None`` returns no logprobs, ``0`` the sampled token's, ``k`` also the top-k.
+    Every field is validated at construction; a bad value raises ``ValueError`` naming it.
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
+               "an integer >= 1")
+        _check(_is_real(self.temperature) and self.temperature >= 0, "temperature",
+               self.temperature, "a number >= 0")
+        _check(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
+               "an integer >= -1 (0 or -1 disables it)")
+        _check(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        _check(_is_real(self.repetition_penalty) and self.repetition_penalty > 0,
+               "repetition_penalty", self.repetition_penalty, "a number > 0")
+        _check(_is_real(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+               "presence_penalty", self.presence_penalty, "in [-2, 2]")
+        _check(_is_real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+               "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "an integer or None")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+               "a list of non-empty strings")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               self.stop_token_ids, "a list of token ids >= 0")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+               "logprobs", self.logprobs, "None or an integer in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check(ok: bool, name: str, value: object, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} must be {expected}, got {value!r}")

@@ -1,0 +1,16 @@
+import pytest
+import torch
+
+import orca_ext
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(
+        not (torch.cuda.is_available() and orca_ext.has_cuda()),
+        reason="needs a GPU and a CUDA build of orca_ext")),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    return request.param

@@ -1,0 +1,58 @@
+"""Pure-torch references of the orca ops: explicit per-request loops, float64 math."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  activation: str) -> torch.Tensor:
+    y = x.double() @ weight.double().t()
+    if bias is not None:
+        y = y + bias.double()
+    if activation == "gelu_tanh":
+        y = F.gelu(y, approximate="tanh")
+    elif activation == "relu":
+        y = torch.relu(y)
+    elif activation == "silu_and_mul":
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            flat_k[slot] = key[t]
+            flat_v[slot] = value[t]
+
+
+def gather_kv(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` positions of one request's KV, ``[length, Hkv, D]``."""
+    block_size = cache.shape[1]
+    pos = torch.arange(length)
+    slots = block_row.long()[pos // block_size] * block_size + pos % block_size
+    return cache.reshape(-1, *cache.shape[2:])[slots]
+
+
+def ragged_attention(q, k_cache, v_cache, cu_q_lens, context_lens, block_table,
+                     scale: float) -> torch.Tensor:
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k_cache.shape[2]
+    cu = cu_q_lens.tolist()
+    for r, ctx in enumerate(context_lens.tolist()):
+        q_r = q[cu[r]:cu[r + 1]].double()
+        q_len = q_r.shape[0]
+        if q_len == 0:
+            continue
+        k = gather_kv(k_cache, block_table[r], ctx).double().repeat_interleave(group, dim=1)
+        v = gather_kv(v_cache, block_table[r], ctx).double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q_r, k) * scale
+        q_pos = torch.arange(ctx - q_len, ctx)[:, None]
+        scores.masked_fill_(torch.arange(ctx)[None, :] > q_pos, -math.inf)
+        out[cu[r]:cu[r + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out

@@ -1,0 +1,158 @@
+"""torch.ops.orca against the pure-torch references in reference_ops.py."""
+import pytest
+import torch
+
+import orca_ext  # noqa: F401
+import reference_ops as ref
+from orca_ext import ops
+from orca_ext.testing import random_ragged_batch
+
+TOL = {torch.float32: (2e-4, 2e-4), torch.bfloat16: (3e-2, 3e-2), torch.float16: (4e-3, 4e-3)}
+DTYPES = list(TOL)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=atol, rtol=rtol)
+
+
+# ---------------------------------------------------------------------------- packed_linear
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["none", "gelu_tanh", "relu", "silu_and_mul"])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("T,K,N", [(0, 64, 96), (1, 64, 96), (7, 48, 130), (300, 128, 512)])
+def test_packed_linear(device, dtype, activation, with_bias, T, K, N):
+    gen = torch.Generator().manual_seed(T * 7 + N)
+    x = torch.randn(T, K, generator=gen).to(dtype).to(device)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(device)
+    b = torch.randn(N, generator=gen).to(dtype).to(device) if with_bias else None
+    out = ops.packed_linear(x, w, b, activation)
+    expected = ref.packed_linear(x.cpu(), w.cpu(), None if b is None else b.cpu(), activation)
+    assert out.dtype == dtype and out.shape == expected.shape
+    assert_close(out, expected, dtype)
+
+
+def test_packed_linear_noncontiguous_input(device):
+    x = torch.randn(16, 64, device=device).t()  # [64, 16] non-contiguous
+    w = torch.randn(32, 16, device=device)
+    torch.testing.assert_close(ops.packed_linear(x, w, None, "relu"), torch.relu(x @ w.t()))
+
+
+# ---------------------------------------------------------------------------- store_kv
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_store_kv(device, dtype, block_size):
+    gen = torch.Generator().manual_seed(block_size)
+    num_blocks, H, D, T = 32, 2, 32, 20
+    k_cache = torch.zeros(num_blocks, block_size, H, D, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    key, value = (torch.randn(T, H, D, generator=gen).to(dtype) for _ in range(2))
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:T]
+    slots[::5] = -1  # skipped tokens
+    exp_k, exp_v = k_cache.clone(), v_cache.clone()
+    ref.store_kv(key, value, exp_k, exp_v, slots)
+    k_dev, v_dev = k_cache.to(device), v_cache.to(device)
+    ops.store_kv(key.to(device), value.to(device), k_dev, v_dev, slots.to(device))
+    assert torch.equal(k_dev.cpu(), exp_k) and torch.equal(v_dev.cpu(), exp_v)
+
+
+def test_store_kv_strided_views(device):
+    """K and V as views into a fused QKV output, as the model passes them."""
+    qkv = torch.randn(5, 3, 2, 16, device=device)
+    k_cache = torch.zeros(4, 2, 2, 16, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([0, 3, 5, 6, 7], device=device)
+    ops.store_kv(qkv[:, 1], qkv[:, 2], k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(8, 2, 16)[slots], qkv[:, 1])
+    assert torch.equal(v_cache.view(8, 2, 16)[slots], qkv[:, 2])
+
+
+# ---------------------------------------------------------------------------- ragged_attention
+
+# (q_lens, context_lens): decode-only, fresh prefills, and prefills over earlier KV mixed
+# with decodes (chunked prefill / multi-token continuation).
+MIXES = {
+    "decode": ([1, 1, 1, 1], [1, 17, 40, 130]),
+    "prefill": ([5, 33, 1], [5, 33, 1]),
+    "mixed": ([1, 40, 1, 9, 1], [70, 40, 3, 30, 257]),
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128])
+def test_ragged_attention_grid(device, mix, block_size, heads, head_dim):
+    q_lens, ctx = MIXES[mix]
+    batch = random_ragged_batch(q_lens, ctx, *heads, head_dim, block_size, device=device)
+    out = ops.ragged_attention(*batch.args())
+    expected = ref.ragged_attention(*(a.cpu() if torch.is_tensor(a) else a for a in batch.args()))
+    assert out.shape == expected.shape
+    assert_close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_ragged_attention_dtypes(device, dtype, block_size):
+    batch = random_ragged_batch(*MIXES["mixed"], 8, 2, 64, block_size, dtype=dtype, device=device)
+    out = ops.ragged_attention(*batch.args())
+    assert out.dtype == dtype
+    expected = ref.ragged_attention(*(a.cpu() if torch.is_tensor(a) else a for a in batch.args()))
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("q_lens,ctx", [([1], [3000]), ([700], [2100]), ([1, 1, 300], [2500, 9, 300])])
+def test_ragged_attention_long_contexts_split(device, q_lens, ctx):
+    """Long contexts go through the split-KV + log-sum-exp merge path."""
+    batch = random_ragged_batch(q_lens, ctx, 4, 1, 64, 16, device=device)
+    out = ops.ragged_attention(*batch.args())
+    expected = ref.ragged_attention(*(a.cpu() if torch.is_tensor(a) else a for a in batch.args()))
+    assert_close(out, expected, torch.float32)
+
+
+def test_ragged_attention_empty_and_zero_query_requests(device):
+    empty = random_ragged_batch([0, 0], [4, 0], 4, 2, 32, 16, device=device)
+    assert ops.ragged_attention(*empty.args()).shape == (0, 4, 32)
+    batch = random_ragged_batch([0, 3, 0, 1], [5, 3, 0, 9], 4, 2, 32, 4, device=device)
+    expected = ref.ragged_attention(*(a.cpu() if torch.is_tensor(a) else a for a in batch.args()))
+    assert_close(ops.ragged_attention(*batch.args()), expected, torch.float32)
+
+
+def test_ragged_attention_noncontiguous_q(device):
+    batch = random_ragged_batch([3, 1], [3, 8], 4, 4, 32, 4, device=device)
+    qkv = torch.cat([batch.q, batch.q], dim=1)  # q as a strided view, like a fused QKV split
+    q_view = qkv[:, :4]
+    out = ops.ragged_attention(q_view, *batch.args()[1:])
+    torch.testing.assert_close(out, ops.ragged_attention(*batch.args()))
+
+
+# ---------------------------------------------------------------------------- opcheck
+
+def test_opcheck(device):
+    batch = random_ragged_batch([3, 1], [3, 20], 4, 2, 32, 4, device=device)
+    torch.library.opcheck(torch.ops.orca.ragged_attention.default, batch.args())
+    x = torch.randn(5, 16, device=device)
+    for act, n in [("none", 8), ("gelu_tanh", 8), ("silu_and_mul", 16)]:
+        torch.library.opcheck(torch.ops.orca.packed_linear.default,
+                              (x, torch.randn(n, 16, device=device), None, act))
+    torch.library.opcheck(torch.ops.orca.packed_linear.default,
+                          (x, torch.randn(8, 16, device=device), torch.randn(8, device=device),
+                           "relu"))
+    k_cache = torch.zeros(4, 4, 2, 32, device=device)
+    torch.library.opcheck(torch.ops.orca.store_kv.default,
+                          (torch.randn(3, 2, 32, device=device), torch.randn(3, 2, 32, device=device),
+                           k_cache, k_cache.clone(), torch.tensor([0, 5, -1], device=device)))
+
+
+def test_torch_compile_traces_ops():
+    batch = random_ragged_batch([2, 1], [2, 6], 4, 2, 32, 4)
+
+    def step(x, w, *attn_args):
+        return ops.packed_linear(x, w, None, "gelu_tanh"), ops.ragged_attention(*attn_args)
+
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    for got, want in zip(compiled(x, w, *batch.args()), step(x, w, *batch.args())):
+        torch.testing.assert_close(got, want)
