@@ -14,17 +14,21 @@
 namespace orca {
 namespace {
 
-constexpr int64_t kTileRows = 128;
-constexpr int64_t kTileCols = 256;
+constexpr int64_t kMaxTileRows = 512;
+constexpr int64_t kTileBufferElems = 128 * 1024;  // per thread, ~half of a 1 MB L2 in float32
 
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// out[i, j] = act(in[i, j] + bias[j]); for silu_and_mul, silu(in + bias) * (up_in + up_bias).
 template <typename scalar_t, Activation act>
-void epilogue(const scalar_t* tile, const scalar_t* up_tile, int64_t rows, int64_t cols,
-              const scalar_t* bias, const scalar_t* up_bias, scalar_t* out, int64_t out_stride) {
+void epilogue(const scalar_t* in, const scalar_t* up_in, int64_t in_stride, int64_t rows,
+              int64_t cols, const scalar_t* bias, const scalar_t* up_bias, scalar_t* out,
+              int64_t out_stride) {
   for (int64_t i = 0; i < rows; ++i) {
-    const scalar_t* t = tile + i * cols;
+    const scalar_t* t = in + i * in_stride;
     scalar_t* o = out + i * out_stride;
     if constexpr (act == Activation::kSiluAndMul) {
-      const scalar_t* u = up_tile + i * cols;
+      const scalar_t* u = up_in + i * in_stride;
       for (int64_t j = 0; j < cols; ++j) {
         const float g = static_cast<float>(t[j]) + (bias ? static_cast<float>(bias[j]) : 0.f);
         const float v = static_cast<float>(u[j]) + (up_bias ? static_cast<float>(up_bias[j]) : 0.f);
@@ -40,27 +44,27 @@ void epilogue(const scalar_t* tile, const scalar_t* up_tile, int64_t rows, int64
   }
 }
 
+// gelu_tanh / relu: the GEMM runs per output tile into a thread-local buffer and the epilogue
+// writes the final values while the tile is in cache.
 template <typename scalar_t, Activation act>
 void tiled_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias,
                   at::Tensor& out) {
   const int64_t T = x.size(0), N = out.size(1);
-  const int64_t half = act == Activation::kSiluAndMul ? N : 0;  // offset of the up rows
-  // Few rows (decode): one row tile, and narrower column tiles so every thread gets work.
-  const int64_t tile_rows = T <= 2 * kTileRows ? T : kTileRows;
-  const int64_t row_tiles = (T + tile_rows - 1) / tile_rows;
-  const int64_t want_tiles = 4 * at::get_num_threads();
-  int64_t tile_cols = kTileCols;
-  while (tile_cols > 32 && row_tiles * ((N + tile_cols - 1) / tile_cols) < want_tiles) {
-    tile_cols /= 2;
+  // Each BLAS call re-packs its x rows and weight rows, so tiles are tall (all rows up to
+  // kMaxTileRows) and as wide as keeps the buffers in L2; at least two tiles per thread.
+  const int64_t row_tiles = ceil_div(T, kMaxTileRows);
+  const int64_t tile_rows = ceil_div(T, row_tiles);
+  int64_t tile_cols = std::clamp<int64_t>(kTileBufferElems / tile_rows / 16 * 16, 16, N);
+  while (tile_cols > 32 && row_tiles * ceil_div(N, tile_cols) < 2 * at::get_num_threads()) {
+    tile_cols = ceil_div(tile_cols, 32) * 16;
   }
-  const int64_t col_tiles = (N + tile_cols - 1) / tile_cols;
+  const int64_t col_tiles = ceil_div(N, tile_cols);
   const scalar_t* bias_ptr = bias ? bias->data_ptr<scalar_t>() : nullptr;
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
 
   at::parallel_for(0, row_tiles * col_tiles, 1, [&](int64_t begin, int64_t end) {
     const auto opts = x.options();
     at::Tensor buf = at::empty({tile_rows, tile_cols}, opts);
-    at::Tensor up_buf = half ? at::empty({tile_rows, tile_cols}, opts) : at::Tensor();
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t r0 = (tile / col_tiles) * tile_rows, c0 = (tile % col_tiles) * tile_cols;
       const int64_t rows = std::min(tile_rows, T - r0), cols = std::min(tile_cols, N - c0);
@@ -68,17 +72,27 @@ void tiled_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
       // Contiguous [rows, cols] views of the buffers, so the epilogue reads them densely.
       at::Tensor b = buf.view(-1).narrow(0, 0, rows * cols).view({rows, cols});
       at::mm_out(b, xs, weight.narrow(0, c0, cols).t());
-      const scalar_t* up_ptr = nullptr;
-      if (half) {
-        at::Tensor u = up_buf.view(-1).narrow(0, 0, rows * cols).view({rows, cols});
-        at::mm_out(u, xs, weight.narrow(0, half + c0, cols).t());
-        up_ptr = u.data_ptr<scalar_t>();
-      }
-      epilogue<scalar_t, act>(b.data_ptr<scalar_t>(), up_ptr, rows, cols,
-                              bias_ptr ? bias_ptr + c0 : nullptr,
-                              bias_ptr && half ? bias_ptr + half + c0 : nullptr,
-                              out_ptr + r0 * N + c0, N);
+      epilogue<scalar_t, act>(b.data_ptr<scalar_t>(), nullptr, cols, rows, cols,
+                              bias_ptr ? bias_ptr + c0 : nullptr, nullptr, out_ptr + r0 * N + c0,
+                              N);
     }
+  });
+}
+
+// silu_and_mul: gate and up are different weight rows, so a tile would need two BLAS calls
+// that each re-pack x; one multithreaded GEMM of [T, 2I] followed by a single fused pass that
+// reads gate and up and writes the [T, I] output costs less.
+template <typename scalar_t>
+void gemm_silu_and_mul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias,
+                       at::Tensor& out) {
+  const at::Tensor y = bias ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
+  const int64_t T = x.size(0), I = out.size(1);
+  const scalar_t* y_ptr = y.data_ptr<scalar_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
+    epilogue<scalar_t, Activation::kSiluAndMul>(y_ptr + begin * 2 * I, y_ptr + begin * 2 * I + I,
+                                                2 * I, end - begin, I, nullptr, nullptr,
+                                                out_ptr + begin * I, I);
   });
 }
 
@@ -105,7 +119,7 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
         tiled_linear<scalar_t, Activation::kRelu>(x, weight, bias_ptr, out);
         break;
       default:
-        tiled_linear<scalar_t, Activation::kSiluAndMul>(x, weight, bias_ptr, out);
+        gemm_silu_and_mul<scalar_t>(x, weight, bias_ptr, out);
     }
   });
   return out;

@@ -18,6 +18,7 @@ using cpu::AttentionWork;
 
 constexpr int64_t kMaxRowsPerItem = 64;  // query rows (queries x group heads) per item
 constexpr int64_t kMinSplitKv = 256;     // never split KV ranges below this many positions
+constexpr int64_t kDirectRows = 8;       // query rows per head up to which an item is decode-like
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
@@ -61,12 +62,15 @@ Plan make_plan(const AttentionShape& s, const int32_t* cu, const int32_t* ctx) {
     for (int64_t qb = 0; qb < q_len; qb += q_block) {
       const int64_t qe = std::min(q_len, qb + q_block);
       const int64_t kv_end = first_pos + qe;
+      // Decode-like items take all KV heads (the cache is read front to back, and the work
+      // is memory-bound); prefill blocks take one head each (compute-bound, more items).
+      const int64_t heads = (qe - qb) * G <= kDirectRows ? s.num_kv_heads : 1;
       // Gathering a KV tile costs about as much as a few query rows of math on it.
-      const double cost = static_cast<double>(kv_end) * ((qe - qb) * G + 8);
-      for (int64_t h = 0; h < s.num_kv_heads; ++h) {
+      const double cost = static_cast<double>(kv_end) * heads * ((qe - qb) * G + 8);
+      for (int64_t h = 0; h < s.num_kv_heads; h += heads) {
         groups.push_back({{static_cast<int32_t>(r), static_cast<int32_t>(h),
-                           static_cast<int32_t>(qb), static_cast<int32_t>(qe), 0,
-                           static_cast<int32_t>(kv_end), -1},
+                           static_cast<int32_t>(h + heads), static_cast<int32_t>(qb),
+                           static_cast<int32_t>(qe), 0, static_cast<int32_t>(kv_end), -1},
                           cost});
         total += cost;
       }
@@ -86,7 +90,7 @@ Plan make_plan(const AttentionShape& s, const int32_t* cu, const int32_t* ctx) {
     }
     const int64_t chunk = round_up(ceil_div(kv_end, splits), cpu::kKvTile);
     splits = ceil_div(kv_end, chunk);
-    const int64_t rows = (g.work.q_end - g.work.q_begin) * G;
+    const int64_t rows = g.work.num_rows(G);
     AttentionWork first = g.work;
     first.partial_row = plan.partial_rows;
     plan.merges.emplace_back(first, splits);
@@ -156,7 +160,10 @@ at::Tensor ragged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cach
         cu, ctx, block_table.data_ptr<int32_t>(), s.max_blocks, s.block_size,
         s.num_q_heads, s.num_kv_heads, s.head_dim, static_cast<float>(scale)};
     switch (s.head_dim) {
+      case 32: run_attention<scalar_t, 32>(args, plan, part); break;
       case 64: run_attention<scalar_t, 64>(args, plan, part); break;
+      case 80: run_attention<scalar_t, 80>(args, plan, part); break;
+      case 96: run_attention<scalar_t, 96>(args, plan, part); break;
       case 128: run_attention<scalar_t, 128>(args, plan, part); break;
       default: run_attention<scalar_t, 0>(args, plan, part);
     }

@@ -1,8 +1,8 @@
 // Torch-free CPU kernel of ragged (split-and-merge) paged attention.
 //
-// The launcher cuts the batch into AttentionWork items: one request, one KV head (its whole
-// query-head group shares each K/V load), a block of the request's queries and a range of KV
-// positions. An item covering a request's whole causal range writes normalized output; a
+// The launcher cuts the batch into AttentionWork items: one request, a range of KV heads
+// (each head's whole query-head group shares its K/V loads), a block of the request's queries
+// and a range of KV positions. An item covering a request's whole causal range writes normalized output; a
 // long range split into chunks writes (unnormalized o, running max m, sum l) partials that
 // merge_partials combines by log-sum-exp. Softmax is online over KV tiles: no [T, context]
 // score matrix is ever formed.
@@ -10,7 +10,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "orca/cpu/math.h"
@@ -32,9 +34,27 @@ struct AttentionArgs {
 };
 
 struct AttentionWork {
-  int32_t request, kv_head, q_begin, q_end, kv_begin, kv_end;
+  int32_t request, kv_head_begin, kv_head_end, q_begin, q_end, kv_begin, kv_end;
   int64_t partial_row;  // -1: write normalized output; else first row in the partial buffers
+
+  // Rows are (KV head, query, head within the group), in that order.
+  int64_t num_rows(int64_t group) const {
+    return static_cast<int64_t>(kv_head_end - kv_head_begin) * (q_end - q_begin) * group;
+  }
 };
+
+// Where row `row` of a work item lives in q and out: (token, query head).
+struct RowPlace {
+  int64_t token, q_head;
+};
+
+template <typename scalar_t>
+inline RowPlace row_place(const AttentionArgs<scalar_t>& a, const AttentionWork& w,
+                          int64_t row) {
+  const int64_t G = a.num_q_heads / a.num_kv_heads, nq = w.q_end - w.q_begin;
+  const int64_t head = w.kv_head_begin + row / (nq * G), rem = row % (nq * G);
+  return {a.cu_q_lens[w.request] + w.q_begin + rem / G, head * G + rem % G};
+}
 
 struct Partials {
   float* o;  // [rows, D]
@@ -45,83 +65,270 @@ struct Partials {
 constexpr int kKvTile = 32;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// 16 floats: one AVX-512 register or two AVX2 ones (GCC/Clang vector extension).
+typedef float vec16 __attribute__((vector_size(64)));
+
+inline vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+
 struct AttentionScratch {
   std::vector<float> q, acc, k_t, v, m, l;
 };
 
-// kD > 0 fixes head_dim at compile time so the per-row D loops unroll; 0 reads a.head_dim.
+// Rows of queries processed together against one KV tile: enough to reuse each K/V load
+// several times, few enough that the accumulators stay in registers.
+template <int kD>
+constexpr int rows_per_block() {
+  return kD <= 96 ? 4 : (kD <= 128 ? 2 : 1);
+}
+
+// One KV tile against kR query rows: scores, online-softmax update of (m, l), and
+// acc = acc * alpha + P V. q rows are pre-scaled; visible[r] is how many of the tile's KV
+// positions row r may see (causal); rows with visible <= 0 are skipped.
+template <int kD, int kR>
+inline void tile_update(const float* const* q, const float* k_t, const float* v,
+                        const int64_t* visible, float* const* acc, float* m, float* l) {
+  constexpr int kNV = kD / 16;
+  vec16 s[kR][2] = {};
+  for (int d = 0; d < kD; ++d) {
+    const vec16 k0 = load16(k_t + d * kKvTile), k1 = load16(k_t + d * kKvTile + 16);
+    for (int r = 0; r < kR; ++r) {
+      s[r][0] += q[r][d] * k0;
+      s[r][1] += q[r][d] * k1;
+    }
+  }
+  float p[kR][kKvTile];
+  float alpha[kR];
+  for (int r = 0; r < kR; ++r) {
+    float sr[kKvTile];
+    store16(sr, s[r][0]);
+    store16(sr + 16, s[r][1]);
+    float tile_max = kNegInf;
+    for (int64_t j = 0; j < visible[r]; ++j) tile_max = std::max(tile_max, sr[j]);
+    const float m_new = std::max(m[r], tile_max);
+    alpha[r] = m[r] == kNegInf ? 0.f : fast_exp(m[r] - m_new);
+    for (int j = 0; j < kKvTile; ++j) p[r][j] = j < visible[r] ? fast_exp(sr[j] - m_new) : 0.f;
+    float sum = 0.f;
+    for (int j = 0; j < kKvTile; ++j) sum += p[r][j];
+    l[r] = l[r] * alpha[r] + sum;
+    m[r] = visible[r] > 0 ? m_new : m[r];
+  }
+  vec16 a[kR][kNV];
+  for (int r = 0; r < kR; ++r) {
+    for (int c = 0; c < kNV; ++c) a[r][c] = load16(acc[r] + 16 * c) * alpha[r];
+  }
+  int64_t tile_visible = 0;
+  for (int r = 0; r < kR; ++r) tile_visible = std::max(tile_visible, visible[r]);
+  for (int64_t j = 0; j < tile_visible; ++j) {
+    vec16 vv[kNV];
+    for (int c = 0; c < kNV; ++c) vv[c] = load16(v + j * kD + 16 * c);
+    for (int r = 0; r < kR; ++r) {
+      for (int c = 0; c < kNV; ++c) a[r][c] += p[r][j] * vv[c];
+    }
+  }
+  for (int r = 0; r < kR; ++r) {
+    if (visible[r] <= 0) continue;  // untouched (alpha may be 0 for a row with m = -inf)
+    for (int c = 0; c < kNV; ++c) store16(acc[r] + 16 * c, a[r][c]);
+  }
+}
+
+inline float hsum(vec16 v) {
+  float t[16];
+  store16(t, v);
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += t[i];
+  return s;
+}
+
+// A K or V row as float32: the cache row itself for float caches, else converted into tmp.
+template <int kD, typename scalar_t>
+inline const float* float_row(const scalar_t* src, float* tmp) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return src;
+  } else {
+    for (int d = 0; d < kD; ++d) tmp[d] = static_cast<float>(src[d]);
+    return tmp;
+  }
+}
+
+// tile_update for few query rows (decode): reads each K/V row straight from the cache
+// (one dot product per row pair) instead of gathering and transposing the tile first.
+template <int kD, int kR, typename scalar_t>
+inline void tile_update_direct(const float* const* q, const scalar_t* const* k_rows,
+                               const scalar_t* const* v_rows, int64_t nt,
+                               const int64_t* visible, float* const* acc, float* m, float* l) {
+  constexpr int kNV = kD / 16;
+  alignas(64) float tmp[kD];
+  vec16 qv[kR][kNV];
+  for (int r = 0; r < kR; ++r) {
+    for (int c = 0; c < kNV; ++c) qv[r][c] = load16(q[r] + 16 * c);
+  }
+  float p[kR][kKvTile];
+  for (int64_t j = 0; j < nt; ++j) {
+    const float* k = float_row<kD>(k_rows[j], tmp);
+    vec16 kv[kNV];
+    for (int c = 0; c < kNV; ++c) kv[c] = load16(k + 16 * c);
+    for (int r = 0; r < kR; ++r) {
+      vec16 t = qv[r][0] * kv[0];
+      for (int c = 1; c < kNV; ++c) t += qv[r][c] * kv[c];
+      p[r][j] = hsum(t);
+    }
+  }
+  float alpha[kR];
+  for (int r = 0; r < kR; ++r) {
+    float tile_max = kNegInf;
+    for (int64_t j = 0; j < visible[r]; ++j) tile_max = std::max(tile_max, p[r][j]);
+    const float m_new = std::max(m[r], tile_max);
+    alpha[r] = m[r] == kNegInf ? 0.f : fast_exp(m[r] - m_new);
+    float sum = 0.f;
+    for (int64_t j = 0; j < kKvTile; ++j) {
+      p[r][j] = j < visible[r] ? fast_exp(p[r][j] - m_new) : 0.f;
+      sum += p[r][j];
+    }
+    l[r] = l[r] * alpha[r] + sum;
+    m[r] = visible[r] > 0 ? m_new : m[r];
+  }
+  vec16 a[kR][kNV];
+  for (int r = 0; r < kR; ++r) {
+    for (int c = 0; c < kNV; ++c) a[r][c] = load16(acc[r] + 16 * c) * alpha[r];
+  }
+  int64_t tile_visible = 0;
+  for (int r = 0; r < kR; ++r) tile_visible = std::max(tile_visible, visible[r]);
+  for (int64_t j = 0; j < tile_visible; ++j) {
+    const float* v = float_row<kD>(v_rows[j], tmp);
+    vec16 vv[kNV];
+    for (int c = 0; c < kNV; ++c) vv[c] = load16(v + 16 * c);
+    for (int r = 0; r < kR; ++r) {
+      for (int c = 0; c < kNV; ++c) a[r][c] += p[r][j] * vv[c];
+    }
+  }
+  for (int r = 0; r < kR; ++r) {
+    if (visible[r] <= 0) continue;
+    for (int c = 0; c < kNV; ++c) store16(acc[r] + 16 * c, a[r][c]);
+  }
+}
+
+// Scalar fallback for head dims that are not a multiple of 16.
+inline void tile_update_scalar(int64_t D, const float* q, const float* k_t, const float* v,
+                               int64_t visible, float* acc, float& m, float& l) {
+  float s[kKvTile] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    for (int j = 0; j < kKvTile; ++j) s[j] += q[d] * k_t[d * kKvTile + j];
+  }
+  float tile_max = kNegInf;
+  for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, s[j]);
+  const float m_new = std::max(m, tile_max);
+  const float alpha = m == kNegInf ? 0.f : fast_exp(m - m_new);
+  float sum = 0.f;
+  for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+  for (int64_t j = 0; j < visible; ++j) {
+    const float pj = fast_exp(s[j] - m_new);
+    sum += pj;
+    for (int64_t d = 0; d < D; ++d) acc[d] += pj * v[j * D + d];
+  }
+  l = l * alpha + sum;
+  m = m_new;
+}
+
+// kD > 0 (a multiple of 16) fixes head_dim at compile time for the vector path; 0 runs the
+// scalar path with a.head_dim.
 template <int kD, typename scalar_t>
 void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionScratch& sc,
             const Partials& part) {
+  static_assert(kD % 16 == 0);
   const int64_t D = kD > 0 ? kD : a.head_dim;
-  const int64_t G = a.num_q_heads / a.num_kv_heads;
-  const int64_t nq = w.q_end - w.q_begin, rows = nq * G;
+  const int64_t G = a.num_q_heads / a.num_kv_heads, Hkv = a.num_kv_heads;
+  const int64_t head_rows = (w.q_end - w.q_begin) * G, rows = w.num_rows(G);
   const int64_t q_len = a.cu_q_lens[w.request + 1] - a.cu_q_lens[w.request];
   const int64_t first_pos = a.context_lens[w.request] - q_len + w.q_begin;
-  const int64_t token0 = a.cu_q_lens[w.request] + w.q_begin;
   const int32_t* blocks = a.block_table + w.request * a.max_blocks;
-  const int64_t h = w.kv_head, Hkv = a.num_kv_heads;
 
   sc.q.resize(rows * D);
   sc.acc.assign(rows * D, 0.f);
   sc.k_t.assign(D * kKvTile, 0.f);
-  sc.v.resize(kKvTile * D);
+  sc.v.assign(kKvTile * D, 0.f);
   sc.m.assign(rows, kNegInf);
   sc.l.assign(rows, 0.f);
   float* qs = sc.q.data();
   for (int64_t row = 0; row < rows; ++row) {
-    const scalar_t* src =
-        a.q + (token0 + row / G) * a.q_stride_token + (h * G + row % G) * a.q_stride_head;
+    const RowPlace at = row_place(a, w, row);
+    const scalar_t* src = a.q + at.token * a.q_stride_token + at.q_head * a.q_stride_head;
     for (int64_t d = 0; d < D; ++d) qs[row * D + d] = static_cast<float>(src[d]) * a.scale;
   }
 
+  constexpr int kR = kD > 0 ? rows_per_block<kD>() : 1;
+  // Few rows per head (decode): read K/V rows in place. Many (prefill): gather each tile once.
+  const bool direct = kD > 0 && head_rows <= 2 * kR;
+  int64_t slot_offset[kKvTile];
+  const scalar_t* k_rows[kKvTile];
+  const scalar_t* v_rows[kKvTile];
   for (int64_t t0 = w.kv_begin; t0 < w.kv_end; t0 += kKvTile) {
     const int64_t nt = std::min<int64_t>(kKvTile, w.kv_end - t0);
-    // Gather the tile from its blocks: K transposed to [D, tile] so scores vectorize over
-    // the tile, V as [tile, D] so the weighted sum vectorizes over D.
     for (int64_t j = 0; j < nt; ++j) {
       const int64_t pos = t0 + j;
-      const int64_t slot = static_cast<int64_t>(blocks[pos / a.block_size]) * a.block_size +
-                           pos % a.block_size;
-      const scalar_t* kp = a.k_cache + (slot * Hkv + h) * D;
-      const scalar_t* vp = a.v_cache + (slot * Hkv + h) * D;
-      float* vrow = sc.v.data() + j * D;
-      for (int64_t d = 0; d < D; ++d) {
-        sc.k_t[d * kKvTile + j] = static_cast<float>(kp[d]);
-        vrow[d] = static_cast<float>(vp[d]);
-      }
+      slot_offset[j] = (static_cast<int64_t>(blocks[pos / a.block_size]) * a.block_size +
+                        pos % a.block_size) * Hkv * D;
     }
-    for (int64_t j = nt; j < kKvTile; ++j) {
-      for (int64_t d = 0; d < D; ++d) sc.k_t[d * kKvTile + j] = 0.f;
-    }
-    for (int64_t row = 0; row < rows; ++row) {
-      // KV positions <= the query's own position are visible (causal).
-      const int64_t visible = std::min<int64_t>(nt, first_pos + row / G - t0 + 1);
-      if (visible <= 0) continue;
-      float s[kKvTile] = {};
-      const float* qrow = qs + row * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const float qd = qrow[d];
-        const float* kcol = sc.k_t.data() + d * kKvTile;
-        for (int j = 0; j < kKvTile; ++j) s[j] += qd * kcol[j];
+    // KV positions <= a query's own position are visible to it (causal).
+    auto visible = [&](int64_t head_row) {
+      return std::min<int64_t>(nt, first_pos + head_row / G - t0 + 1);
+    };
+    // All heads of the item in the inner loop: a token's K/V rows for consecutive heads are
+    // adjacent in the cache, so the tile is read front to back.
+    for (int64_t h = w.kv_head_begin; h < w.kv_head_end; ++h) {
+      const int64_t row_base = (h - w.kv_head_begin) * head_rows;
+      for (int64_t j = 0; j < nt; ++j) {
+        k_rows[j] = a.k_cache + slot_offset[j] + h * D;
+        v_rows[j] = a.v_cache + slot_offset[j] + h * D;
       }
-      float tile_max = kNegInf;
-      for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, s[j]);
-      const float m_old = sc.m[row];
-      const float m_new = std::max(m_old, tile_max);
-      const float alpha = m_old == kNegInf ? 0.f : fast_exp(m_old - m_new);
-      float p[kKvTile];
-      for (int j = 0; j < kKvTile; ++j) p[j] = fast_exp(s[j] - m_new);
-      float sum = 0.f;
-      for (int64_t j = 0; j < visible; ++j) sum += p[j];
-      sc.l[row] = sc.l[row] * alpha + sum;
-      sc.m[row] = m_new;
-      float* acc = sc.acc.data() + row * D;
-      for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
-      for (int64_t j = 0; j < visible; ++j) {
-        const float pj = p[j];
-        const float* vrow = sc.v.data() + j * D;
-        for (int64_t d = 0; d < D; ++d) acc[d] += pj * vrow[d];
+      if (!direct) {
+        // K transposed to [D, tile] so scores vectorize over the tile, V as [tile, D] so the
+        // weighted sum vectorizes over D.
+        for (int64_t j = 0; j < nt; ++j) {
+          float* vrow = sc.v.data() + j * D;
+          for (int64_t d = 0; d < D; ++d) {
+            sc.k_t[d * kKvTile + j] = static_cast<float>(k_rows[j][d]);
+            vrow[d] = static_cast<float>(v_rows[j][d]);
+          }
+        }
+      }
+      if constexpr (kD > 0) {
+        for (int64_t r0 = 0; r0 < head_rows; r0 += kR) {
+          // A short last block repeats its last row and discards the copies' results.
+          const float* q_rows[kR];
+          float* acc_rows[kR];
+          float m[kR], l[kR];
+          int64_t vis[kR];
+          for (int r = 0; r < kR; ++r) {
+            const int64_t row = row_base + std::min<int64_t>(r0 + r, head_rows - 1);
+            q_rows[r] = qs + row * kD;
+            acc_rows[r] = sc.acc.data() + row * kD;
+            m[r] = sc.m[row];
+            l[r] = sc.l[row];
+            vis[r] = r0 + r < head_rows ? visible(r0 + r) : 0;
+          }
+          if (direct) {
+            tile_update_direct<kD, kR>(q_rows, k_rows, v_rows, nt, vis, acc_rows, m, l);
+          } else {
+            tile_update<kD, kR>(q_rows, sc.k_t.data(), sc.v.data(), vis, acc_rows, m, l);
+          }
+          for (int r = 0; r < kR && r0 + r < head_rows; ++r) {
+            sc.m[row_base + r0 + r] = m[r];
+            sc.l[row_base + r0 + r] = l[r];
+          }
+        }
+      } else {
+        for (int64_t r = 0; r < head_rows; ++r) {
+          const int64_t row = row_base + r;
+          if (visible(r) <= 0) continue;
+          tile_update_scalar(D, qs + row * D, sc.k_t.data(), sc.v.data(), visible(r),
+                             sc.acc.data() + row * D, sc.m[row], sc.l[row]);
+        }
       }
     }
   }
@@ -129,8 +336,9 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
   for (int64_t row = 0; row < rows; ++row) {
     const float* acc = sc.acc.data() + row * D;
     if (w.partial_row < 0) {
+      const RowPlace at = row_place(a, w, row);
       const float inv = 1.f / sc.l[row];
-      scalar_t* dst = a.out + ((token0 + row / G) * a.num_q_heads + h * G + row % G) * D;
+      scalar_t* dst = a.out + (at.token * a.num_q_heads + at.q_head) * D;
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
     } else {
       const int64_t prow = w.partial_row + row;
@@ -141,14 +349,13 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
   }
 }
 
-// Combines num_splits consecutive partial blocks of `rows` rows each (split-major) into the
-// normalized output of one work group.
+// Combines num_splits consecutive partial blocks (split-major) of one work item's rows into
+// its normalized output.
 template <typename scalar_t>
 void merge_partials(const AttentionArgs<scalar_t>& a, const AttentionWork& first,
                     int64_t num_splits, const Partials& part) {
-  const int64_t D = a.head_dim, G = a.num_q_heads / a.num_kv_heads;
-  const int64_t rows = (first.q_end - first.q_begin) * G;
-  const int64_t token0 = a.cu_q_lens[first.request] + first.q_begin;
+  const int64_t D = a.head_dim;
+  const int64_t rows = first.num_rows(a.num_q_heads / a.num_kv_heads);
   std::vector<float> out(D);
   for (int64_t row = 0; row < rows; ++row) {
     float m_max = kNegInf;
@@ -165,9 +372,9 @@ void merge_partials(const AttentionArgs<scalar_t>& a, const AttentionWork& first
       const float* o = part.o + prow * D;
       for (int64_t d = 0; d < D; ++d) out[d] += weight * o[d];
     }
+    const RowPlace at = row_place(a, first, row);
     const float inv = 1.f / l_total;
-    scalar_t* dst =
-        a.out + ((token0 + row / G) * a.num_q_heads + first.kv_head * G + row % G) * D;
+    scalar_t* dst = a.out + (at.token * a.num_q_heads + at.q_head) * D;
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(out[d] * inv);
   }
 }

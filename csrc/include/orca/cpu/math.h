@@ -11,7 +11,8 @@ namespace orca::cpu {
 // 2^n * exp(r), |r| <= ln2/2, then a degree-6 polynomial.
 inline float fast_exp(float x) {
   x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float n = __builtin_roundf(x * 1.44269504089f);
+  // Round to nearest by the 1.5 * 2^23 trick: plain float adds vectorize, roundf does not.
+  const float n = (x * 1.44269504089f + 12582912.0f) - 12582912.0f;
   float r = x - n * 0.693145751953125f;
   r -= n * 1.428606765330187e-06f;
   float p = 1.3888949e-3f;

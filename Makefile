@@ -1,0 +1,32 @@
+# `make run` and `make test` do all set-up on a fresh machine: a venv with the CPU torch,
+# the build tools, and an editable build of the extension (rebuilt when csrc/ changes).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+BUILD_INPUTS := $(shell find csrc cmake -type f) CMakeLists.txt pyproject.toml
+
+.PHONY: setup run test bench cuda-check
+setup: $(VENV)/.built
+
+$(VENV)/.deps:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy scikit-build-core pybind11 ninja "cmake>=3.26"
+	touch $@
+
+$(VENV)/.built: $(VENV)/.deps $(BUILD_INPUTS)
+	@echo "building orca_ext (C++ extension) ..."
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,serve]"
+	touch $@
+
+run: setup
+	$(VENV)/bin/orca-serve
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/ops.py
+
+cuda-check:
+	bash scripts/cuda_build_check.sh

@@ -1,0 +1,258 @@
+// packed_linear on CUDA: y = act(x @ W^T + b) over packed tokens, on the current stream.
+//  - few tokens (T <= ORCA_SKINNY_MAX_T, default 8): one weight-streaming kernel with bias and
+//    activation fused (csrc/include/orca/cuda/linear.cuh); silu_and_mul reads the gate and up
+//    rows of each output column in the same CTA, so it is fully fused too;
+//  - otherwise cuBLASLt (torch's handle) with the bias/activation in its epilogue
+//    (CUBLASLT_EPILOGUE_BIAS / GELU[_BIAS] / RELU[_BIAS]); silu_and_mul runs the GEMM (bias in
+//    the epilogue) into a [T, 2I] buffer and one vectorized silu(gate) * up kernel. If cuBLASLt
+//    finds no algorithm for an epilogue, the GEMM runs plain and an elementwise kernel applies
+//    bias and activation.
+#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cublasLt.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "checks.h"
+#include "cuda/common.h"
+
+namespace orca {
+namespace {
+
+constexpr size_t kLtWorkspaceBytes = size_t{8} << 20;
+
+int skinny_max_t() {
+  static const int value = [] {
+    const char* env = std::getenv("ORCA_SKINNY_MAX_T");
+    const int v = env ? std::atoi(env) : cuda::kSkinnyMaxT;
+    return std::max(0, std::min(v, cuda::kSkinnyMaxT));
+  }();
+  return value;
+}
+
+#define ORCA_LT_CHECK(expr)                                                                 \
+  do {                                                                                      \
+    const cublasStatus_t st_ = (expr);                                                      \
+    TORCH_CHECK(st_ == CUBLAS_STATUS_SUCCESS, "packed_linear: ", #expr, " failed with ",     \
+                static_cast<int>(st_));                                                     \
+  } while (0)
+
+int alignment(const void* ptr) {
+  const auto a = reinterpret_cast<uintptr_t>(ptr);
+  int align = 16;
+  while (align > 1 && a % align != 0) align /= 2;
+  return align;
+}
+
+// cuBLASLt objects that free themselves.
+struct LtDesc {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~LtDesc() {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+using AlgoKey = std::tuple<int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int, int,
+                           int, int>;
+struct AlgoEntry {
+  bool found;
+  cublasLtMatmulAlgo_t algo;
+};
+std::mutex g_algo_mutex;
+std::map<AlgoKey, AlgoEntry> g_algo_cache;
+
+// out[T, N] (row-major, contiguous) = epilogue(x[T, K] @ w[N, K]^T). In cuBLAS's column-major
+// terms: out^T [N, T] = op(A = w as [K, N], transposed) * (B = x as [K, T]). Returns false when
+// cuBLASLt has no algorithm for this epilogue (nothing was launched).
+bool lt_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias,
+             cublasLtEpilogue_t epilogue, at::Tensor& out) {
+  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t ldx = x.stride(0), ldw = w.stride(0);
+  cudaDataType_t dt = CUDA_R_32F;
+  if (x.scalar_type() == at::kBFloat16) dt = CUDA_R_16BF;
+  else if (x.scalar_type() == at::kHalf) dt = CUDA_R_16F;
+  const int device = x.get_device();
+
+  LtDesc d;
+  ORCA_LT_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
+  ORCA_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a,
+                                               sizeof(trans_a)));
+  ORCA_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b,
+                                               sizeof(trans_b)));
+  ORCA_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
+                                               sizeof(epilogue)));
+  if (bias != nullptr) {
+    const void* bias_ptr = bias->data_ptr();
+    ORCA_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                 &bias_ptr, sizeof(bias_ptr)));
+  }
+  ORCA_LT_CHECK(cublasLtMatrixLayoutCreate(&d.a, dt, K, N, ldw));
+  ORCA_LT_CHECK(cublasLtMatrixLayoutCreate(&d.b, dt, K, T, ldx));
+  ORCA_LT_CHECK(cublasLtMatrixLayoutCreate(&d.c, dt, N, T, N));
+
+  const cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
+  const int align_w = alignment(w.data_ptr()), align_x = alignment(x.data_ptr()),
+            align_o = alignment(out.data_ptr());
+  const AlgoKey key{device, static_cast<int>(dt), static_cast<int>(epilogue), T, N, K, ldx, ldw,
+                    align_w, align_x, align_o, bias != nullptr ? alignment(bias->data_ptr()) : 0};
+  AlgoEntry entry{};
+  bool cached = false;
+  {
+    const std::lock_guard<std::mutex> lock(g_algo_mutex);
+    const auto it = g_algo_cache.find(key);
+    if (it != g_algo_cache.end()) {
+      entry = it->second;
+      cached = true;
+    }
+  }
+  if (!cached) {
+    ORCA_LT_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
+    const size_t ws = kLtWorkspaceBytes;
+    ORCA_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+    const uint32_t aw = align_w, ax = align_x, ao = align_o;
+    ORCA_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aw, sizeof(aw)));
+    ORCA_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ax, sizeof(ax)));
+    ORCA_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ao, sizeof(ao)));
+    ORCA_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ao, sizeof(ao)));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, d.op, d.a, d.b, d.c, d.c,
+                                                             d.pref, 1, &result, &found);
+    entry.found = st == CUBLAS_STATUS_SUCCESS && found > 0;
+    if (entry.found) entry.algo = result.algo;
+    const std::lock_guard<std::mutex> lock(g_algo_mutex);
+    g_algo_cache.emplace(key, entry);
+  }
+  if (!entry.found) return false;
+
+  const at::Tensor workspace =
+      at::empty({static_cast<int64_t>(kLtWorkspaceBytes)}, x.options().dtype(at::kByte));
+  const float alpha = 1.f, beta = 0.f;
+  ORCA_LT_CHECK(cublasLtMatmul(handle, d.op, &alpha, w.data_ptr(), d.a, x.data_ptr(), d.b, &beta,
+                               out.data_ptr(), d.c, out.data_ptr(), d.c, &entry.algo,
+                               workspace.data_ptr(), kLtWorkspaceBytes,
+                               c10::cuda::getCurrentCUDAStream(device)));
+  return true;
+}
+
+cublasLtEpilogue_t lt_epilogue(Activation act, bool has_bias) {
+  switch (act) {
+    case Activation::kGeluTanh: return has_bias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU;
+    case Activation::kRelu: return has_bias ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU;
+    default: return has_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+  }
+}
+
+cuda::Act to_act(Activation act) {
+  switch (act) {
+    case Activation::kGeluTanh: return cuda::Act::kGeluTanh;
+    case Activation::kRelu: return cuda::Act::kRelu;
+    case Activation::kSiluAndMul: return cuda::Act::kSiluAndMul;
+    default: return cuda::Act::kNone;
+  }
+}
+
+// out = act(x @ w^T + bias) with act in {none, gelu_tanh, relu}: cuBLASLt epilogue, or plain
+// GEMM + elementwise kernel when cuBLASLt has no algorithm for the epilogue.
+void gemm_epilogue(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias,
+                   Activation act, at::Tensor& out) {
+  if (lt_gemm(x, w, bias, lt_epilogue(act, bias != nullptr), out)) return;
+  if (!lt_gemm(x, w, nullptr, CUBLASLT_EPILOGUE_DEFAULT, out)) at::mm_out(out, x, w.t());
+  if (bias == nullptr && act == Activation::kNone) return;
+  ORCA_CUDA_LAUNCH_CHECK(
+      cuda::launch_bias_act(out.data_ptr(), bias ? bias->data_ptr() : nullptr, out.size(0),
+                            out.size(1), to_act(act), cuda::to_dtype(out.scalar_type()),
+                            c10::cuda::getCurrentCUDAStream(out.get_device())),
+      "packed_linear");
+}
+
+// A 2-D operand usable as-is: unit inner stride, leading dimension >= K, 16-bit/32-bit aligned.
+at::Tensor gemm_operand(const at::Tensor& t) {
+  const bool ok = t.stride(1) == 1 && t.stride(0) >= std::max<int64_t>(1, t.size(1)) &&
+                  reinterpret_cast<uintptr_t>(t.data_ptr()) % t.element_size() == 0;
+  return ok ? t : t.contiguous();
+}
+
+at::Tensor packed_linear_cuda(const at::Tensor& x_in, const at::Tensor& weight_in,
+                              const std::optional<at::Tensor>& bias_in,
+                              c10::string_view activation) {
+  const Activation act = parse_activation(activation);
+  check_linear_inputs(x_in, weight_in, bias_in, act);
+  cuda::check_cuda(x_in, "packed_linear", "x");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = gemm_operand(x_in), w = gemm_operand(weight_in);
+  const int64_t T = x.size(0), K = x.size(1), Nw = w.size(0);
+  const bool glu = act == Activation::kSiluAndMul;
+  const int64_t n_out = glu ? Nw / 2 : Nw;
+  at::Tensor out = at::empty({T, n_out}, x.options());
+  if (T == 0 || n_out == 0) return out;
+  at::Tensor bias;
+  if (bias_in) {
+    bias = bias_in->contiguous();
+    if (!cuda::aligned16(bias.data_ptr())) bias = bias.clone();
+  }
+  const at::Tensor* bias_ptr = bias.defined() ? &bias : nullptr;
+
+  if (K == 0) {  // no products: act(bias) or act(0), computed with ATen ops
+    at::Tensor y = bias.defined() ? bias.to(at::kFloat).unsqueeze(0).expand({T, Nw})
+                                  : at::zeros({T, Nw}, x.options().dtype(at::kFloat));
+    if (act == Activation::kGeluTanh) y = at::gelu(y, "tanh");
+    else if (act == Activation::kRelu) y = at::relu(y);
+    else if (glu) y = at::silu(y.narrow(1, 0, n_out)) * y.narrow(1, n_out, n_out);
+    out.copy_(y);
+    return out;
+  }
+
+  const cuda::DType dtype = cuda::to_dtype(x.scalar_type());
+  const auto stream = c10::cuda::getCurrentCUDAStream(x.get_device());
+  const int64_t vec = 16 / x.element_size();
+  if (T <= skinny_max_t() && K % vec == 0 && x.stride(0) % vec == 0 && w.stride(0) % vec == 0 &&
+      cuda::aligned16(x.data_ptr()) && cuda::aligned16(w.data_ptr())) {
+    cuda::SkinnyLinearParams p{};
+    p.x = x.data_ptr();
+    p.weight = w.data_ptr();
+    p.bias = bias_ptr ? bias.data_ptr() : nullptr;
+    p.out = out.data_ptr();
+    p.T = T;
+    p.N = n_out;
+    p.K = K;
+    p.x_stride = x.stride(0);
+    p.w_stride = w.stride(0);
+    p.act = to_act(act);
+    ORCA_CUDA_LAUNCH_CHECK(cuda::launch_skinny_linear(p, dtype, stream), "packed_linear");
+    return out;
+  }
+  if (!glu) {
+    gemm_epilogue(x, w, bias_ptr, act, out);
+    return out;
+  }
+  at::Tensor gate_up = at::empty({T, Nw}, x.options());
+  gemm_epilogue(x, w, bias_ptr, Activation::kNone, gate_up);
+  ORCA_CUDA_LAUNCH_CHECK(cuda::launch_silu_and_mul(gate_up.data_ptr(), out.data_ptr(), T, n_out,
+                                                   dtype, stream),
+                         "packed_linear");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(orca, CUDA, m) { m.impl("packed_linear", &packed_linear_cuda); }
+
+}  // namespace orca

@@ -1,0 +1,157 @@
+// Torch-free interface between the CUDA launchers (csrc/cuda/*.cpp, which validate tensors with
+// ATen) and the kernels (csrc/cuda/*.cu, which include only the headers in this folder).
+// Everything here is plain host C++: launch parameters, the shape-only attention work plan and
+// the launch functions.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+namespace orca::cuda {
+
+enum class DType { kFloat32, kFloat16, kBFloat16 };
+
+inline int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---- ragged_attention ------------------------------------------------------------------------
+
+// Tensor-core kernel geometry (shared by the planner and the kernel).
+constexpr int kAttnThreads = 128;     // 4 warps
+constexpr int kAttnBlockN = 64;       // KV positions per shared-memory tile
+constexpr int kAttnStages = 2;        // cp.async pipeline depth
+constexpr int kAttnPad = 8;           // elements of padding per smem row (bank-conflict free)
+constexpr int kAttnMinChunk = 256;    // never split a request's KV below this many positions
+constexpr int kAttnMaxSplits = 64;    // most KV splits of one request
+constexpr int kAttnMaxBatchTC = 8192; // tensor-core path keeps a per-request prefix in smem
+
+inline bool attention_tc_head_dim(int d) {
+  return d == 32 || d == 64 || d == 80 || d == 96 || d == 128;
+}
+
+struct AttentionParams {
+  const void* q;  // [T, Hq, D], last dim contiguous
+  int64_t q_stride_token, q_stride_head;  // in elements
+  const void* k_cache;  // [num_blocks, block_size, Hkv, D] contiguous
+  const void* v_cache;
+  void* out;            // [T, Hq, D] contiguous
+  float* part_o;        // [T * Hq * max_splits, D]   split partials (normalized), or null
+  float* part_lse;      // [T * Hq * max_splits]      their log2-sum-exp, or null
+  const int32_t* cu_q_lens;     // [B + 1]
+  const int32_t* context_lens;  // [B]
+  const int32_t* block_table;   // [B, max_blocks]
+  int64_t num_blocks;
+  int32_t num_tokens, batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int32_t max_context; // attention_max_context(): context_lens are clamped to [0, max_context]
+  int32_t kv_chunk;    // KV positions per split (a multiple of kAttnBlockN)
+  int32_t max_splits;  // ceil(max_blocks * block_size / kv_chunk); 1 = no split, no merge
+  float scale_log2;    // softmax scale * log2(e)
+};
+
+// How one call is partitioned: computed from shapes only (no device reads), so the launch
+// sequence is fixed for fixed shapes and can be captured in a CUDA graph.
+struct AttentionPlan {
+  bool tensor_cores = false;  // false: the simple CUDA-core kernel (fp32, odd head dims)
+  int warps_m = 4;            // query-row warps per CTA: 4 (prefill, 64 rows) or 1 (decode, 16)
+  int32_t kv_chunk = 0, max_splits = 1;
+  int64_t grid_x = 0;         // CTAs per KV head (they loop over the device-side work list)
+  size_t smem_bytes = 0;
+  int64_t partial_rows = 0;   // rows of part_o / part_lse (0 when max_splits == 1)
+};
+
+inline size_t attention_smem_bytes(int warps_m, int head_dim, int batch) {
+  const size_t row = static_cast<size_t>(head_dim + kAttnPad) * 2;  // 16-bit elements
+  const size_t tiles = (16 * warps_m + 2 * kAttnStages * kAttnBlockN) * row;
+  const size_t prefix = ((static_cast<size_t>(batch) + 1) * 4 + 15) / 16 * 16;
+  return tiles + prefix;
+}
+
+// Longest context the block table can address (clamped so positions fit in int32).
+inline int32_t attention_max_context(int64_t block_size, int64_t max_blocks) {
+  return static_cast<int32_t>(std::min<int64_t>(max_blocks * block_size, int64_t{1} << 30));
+}
+
+inline AttentionPlan plan_attention(int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                                    int64_t block_size, int64_t max_blocks, DType dtype,
+                                    bool aligned16, int num_sms) {
+  AttentionPlan p;
+  const int64_t ctx_max = std::max<int64_t>(1, attention_max_context(block_size, max_blocks));
+  p.tensor_cores = dtype != DType::kFloat32 && attention_tc_head_dim(static_cast<int>(D)) &&
+                   B <= kAttnMaxBatchTC && aligned16;
+  p.kv_chunk = static_cast<int32_t>(div_up(ctx_max, kAttnBlockN) * kAttnBlockN);
+  if (!p.tensor_cores) {
+    p.grid_x = div_up(T * Hq, kAttnThreads / 32);
+    return p;
+  }
+  const int64_t g = Hq / Hkv;
+  // Decode-like batches (at most 16 query rows per request on average) use 16-row tiles whose
+  // four warps split each KV tile; otherwise 64-row tiles, one 16-row slice per warp.
+  p.warps_m = (T * g <= 16 * B) ? 1 : 4;
+  const int64_t bm = 16 * p.warps_m;
+  // Upper bound on the number of row tiles of all requests (rows = q_len * group).
+  const int64_t tiles = std::max<int64_t>(
+      1, std::min(div_up(T * g, bm) + B, T * div_up(g, bm)));
+  const int64_t base = tiles * Hkv, target = 4 * static_cast<int64_t>(num_sms);
+  int64_t splits = 1;
+  if (base < target && ctx_max > 2 * kAttnMinChunk) {
+    splits = std::min({div_up(target, base), ctx_max / kAttnMinChunk,
+                       static_cast<int64_t>(kAttnMaxSplits)});
+    // Keep the fp32 partials within 256 MiB.
+    const int64_t per_split = T * Hq * (D + 1) * 4;
+    splits = std::max<int64_t>(1, std::min(splits, (int64_t{256} << 20) / per_split));
+  }
+  if (splits > 1) {
+    p.kv_chunk = static_cast<int32_t>(div_up(div_up(ctx_max, splits), kAttnBlockN) * kAttnBlockN);
+    p.max_splits = static_cast<int32_t>(div_up(ctx_max, p.kv_chunk));
+  }
+  if (p.max_splits > 1) p.partial_rows = T * Hq * p.max_splits;
+  const int64_t items = tiles * p.max_splits;
+  p.grid_x = std::max<int64_t>(1, std::min(items, div_up(16 * int64_t{num_sms}, Hkv)));
+  p.smem_bytes = attention_smem_bytes(p.warps_m, static_cast<int>(D), static_cast<int>(B));
+  return p;
+}
+
+// Launches the attention kernel (and the merge kernel when plan.max_splits > 1) on `stream`.
+cudaError_t launch_ragged_attention(const AttentionParams& p, const AttentionPlan& plan,
+                                    DType dtype, cudaStream_t stream);
+
+// ---- store_kv ----------------------------------------------------------------------------------
+
+struct StoreKvParams {
+  const void* key;    // [T, H, D], last dim contiguous
+  const void* value;
+  void* k_cache;      // [num_slots, H, D] contiguous
+  void* v_cache;
+  const int64_t* slot_mapping;  // [T]
+  int64_t num_tokens, num_slots, num_heads, row_bytes;         // row = D elements
+  int64_t key_stride_token, key_stride_head, value_stride_token, value_stride_head;  // bytes
+};
+cudaError_t launch_store_kv(const StoreKvParams& p, cudaStream_t stream);
+
+// ---- packed_linear epilogues -------------------------------------------------------------------
+
+enum class Act { kNone = 0, kGeluTanh = 1, kRelu = 2, kSiluAndMul = 3 };
+
+// Skinny GEMM with a fused epilogue for few tokens: out[t, n] = act(x[t] . w[n] + b[n]); for
+// kSiluAndMul out[t, n] = silu(x[t] . w[n] + b[n]) * (x[t] . w[N + n] + b[N + n]).
+struct SkinnyLinearParams {
+  const void* x;       // [T, K], rows 16-byte aligned
+  const void* weight;  // [N or 2N, K], rows 16-byte aligned
+  const void* bias;    // [N or 2N] or null
+  void* out;           // [T, N] contiguous
+  int64_t T, N, K, x_stride, w_stride;  // strides in elements
+  Act act;
+};
+constexpr int kSkinnyMaxT = 8;
+cudaError_t launch_skinny_linear(const SkinnyLinearParams& p, DType dtype, cudaStream_t stream);
+
+// In-place y[T, N] = act(y + bias) (bias may be null; act is not kSiluAndMul).
+cudaError_t launch_bias_act(void* y, const void* bias, int64_t T, int64_t N, Act act, DType dtype,
+                            cudaStream_t stream);
+// out[T, I] = silu(y[:, :I]) * y[:, I:] for y [T, 2I] contiguous.
+cudaError_t launch_silu_and_mul(const void* y, void* out, int64_t T, int64_t I, DType dtype,
+                                cudaStream_t stream);
+
+}  // namespace orca::cuda
