@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 BUILD_INPUTS := $(shell find csrc cmake -type f) CMakeLists.txt pyproject.toml
 
-.PHONY: setup run test bench cuda-check
+.PHONY: setup run test bench bench-cpp cuda-check
 setup: $(VENV)/.built
 
 $(VENV)/.deps:
@@ -30,3 +30,11 @@ bench: setup
 
 cuda-check:
 	bash scripts/cuda_build_check.sh
+
+# C++ microbenchmarks (Google Benchmark from Debian's libbenchmark-dev).
+bench-cpp: setup
+	$(VENV)/bin/cmake -S . -B build/cpp-bench -G Ninja -DORCA_EXT_CPP_BENCH=ON -DORCA_EXT_CUDA=OFF \
+	  -DPython_EXECUTABLE=$(abspath $(PY)) -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja)
+	$(VENV)/bin/cmake --build build/cpp-bench --target bench_allocator bench_kernels
+	build/cpp-bench/bench/cpp/bench_allocator
+	build/cpp-bench/bench/cpp/bench_kernels

@@ -25,5 +25,9 @@ target_compile_definitions(orca_torch INTERFACE
   _GLIBCXX_USE_CXX11_ABI=${TORCH_CXX11_ABI} TORCH_EXTENSION_NAME=_C TORCH_API_INCLUDE_EXTENSION_H)
 foreach(_lib c10 torch torch_cpu torch_python)
   find_library(ORCA_TORCH_LIB_${_lib} ${_lib} PATHS "${TORCH_DIR}/lib" NO_DEFAULT_PATH REQUIRED)
-  target_link_libraries(orca_torch INTERFACE "${ORCA_TORCH_LIB_${_lib}}")
 endforeach()
+target_link_libraries(orca_torch INTERFACE
+  "${ORCA_TORCH_LIB_c10}" "${ORCA_TORCH_LIB_torch}" "${ORCA_TORCH_LIB_torch_cpu}")
+# Only the Python module links torch's Python bindings (the C++ benchmarks have no Python).
+add_library(orca_torch_python INTERFACE)
+target_link_libraries(orca_torch_python INTERFACE "${ORCA_TORCH_LIB_torch_python}")
