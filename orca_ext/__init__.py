@@ -2,6 +2,9 @@
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C, ops  # noqa: F401  (registers torch.ops.orca)
+from .async_engine import AsyncEngine, EngineDeadError
+from .llm import LLM
+from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -12,4 +15,5 @@ def has_cuda() -> bool:
     return _C.has_cuda()
 
 
-__all__ = ["SamplingParams", "__version__", "has_cuda", "ops"]
+__all__ = ["AsyncEngine", "CompletionOutput", "EngineDeadError", "LLM", "RequestOutput",
+           "SamplingParams", "__version__", "has_cuda", "ops"]

@@ -44,7 +44,7 @@ class Request:
         return self.finish_reason is not None
 
     def append_token(self, token_id: int) -> tuple[str, int | None] | None:
-        """Record a sampled token; return ``(finish_reason, stop_reason)`` if it ends the request."""
+        """Record a sampled token; return ``(finish_reason, stop_reason)`` if it ends here."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if token_id in self.stop_token_ids:

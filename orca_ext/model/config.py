@@ -50,6 +50,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_kv_heads})")
+        if self.family == "llama" and self.head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
+
     @property
     def max_model_len(self) -> int:
         """Longest sequence served exactly: a sliding window (not implemented by the attention

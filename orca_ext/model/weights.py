@@ -65,6 +65,7 @@ def load_hf_weights(model: nn.Module, weight_map: dict[str, HFWeight], folder: P
         raise ValueError(f"{folder}: checkpoint lacks tensors that "
                          f"{model.config.architecture} needs: {_listed(missing)}")
     unused = sorted(set(files) - set(wanted))
+    # A checkpoint may store a tied lm_head (a copy of the embedding) anyway.
     unexpected = [n for n in unused if not ignored.search(n) and n != "lm_head.weight"]
     if unexpected:
         raise ValueError(f"{folder}: checkpoint has tensors that {model.config.architecture} "

@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_tc_kernel(const Att
                     2 * kAttnStages * BN * LD * sizeof(T),
                 "the epilogue overlay must fit in the K/V tiles");
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  ORCA_DYNAMIC_SMEM(smem_raw);
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + BM * LD;
   T* sV = sK + kAttnStages * BN * LD;

@@ -8,6 +8,14 @@
 
 #include <cstdint>
 
+#ifdef ORCA_CUDA_EMULATE
+// Test-only host emulation of the intrinsics below (tests/cuda_emu/orca_cuda_emulate.h).
+#include "orca_cuda_emulate.h"
+#else
+// The kernel's dynamic shared memory (a macro so the host emulation can provide it).
+#define ORCA_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
 namespace orca::cuda {
 
 __host__ __device__ inline constexpr int64_t ceil_div(int64_t a, int64_t b) {
@@ -44,6 +52,7 @@ template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, fl
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
+#ifndef ORCA_CUDA_EMULATE
 // 2^x with the hardware approximation; ex2.approx(-inf) = +0.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
@@ -101,6 +110,8 @@ __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const ui
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+#endif  // ORCA_CUDA_EMULATE
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

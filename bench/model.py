@@ -1,0 +1,104 @@
+"""Decode-step time of a model against its memory-bandwidth bound, measured in the same run.
+
+    python bench/model.py [--model orca-tiny] [--dtype float32] [--device cpu]
+                          [--batch-sizes 1 4 8 32] [--context 128] [--threads N]
+
+A decode step reads every weight once, so it cannot beat ``weight bytes / copy bandwidth``
+(the bandwidth of a large tensor copy, counting bytes read + written). Target: a decode step
+(ModelRunner.execute: metadata, forward, lm_head, greedy sampling) within 1.5x that bound at
+batch 1-4. Embedding tables count only when read whole (a tied lm_head).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import time_fn  # noqa: E402
+
+from orca_ext.batch import ScheduledRequest, SchedulerOutput  # noqa: E402
+from orca_ext.executor import KVCache, ModelRunner, num_kv_blocks  # noqa: E402
+from orca_ext.kv import SlotAllocator  # noqa: E402
+from orca_ext.model import load_model  # noqa: E402
+from orca_ext.model.layers import Embedding  # noqa: E402
+from orca_ext.sampling_params import SamplingParams  # noqa: E402
+
+BLOCK_SIZE = 16
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def copy_bandwidth(device: str, nbytes: int = 512 * 2 ** 20) -> float:
+    """Bytes per second moved (read + written) by a large tensor copy."""
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / time_fn(lambda: dst.copy_(src), device)
+
+
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """Bytes of the weights a decode step reads: all of them, except embedding tables, which
+    are read by row unless one is also the lm_head."""
+    lm_head = model.lm_head.weight
+    row_read = {id(m.weight) for m in model.modules()
+                if isinstance(m, Embedding) and m.weight is not lm_head}
+    return sum(p.nbytes for p in model.parameters() if id(p) not in row_read)
+
+
+def decode_step_time(runner: ModelRunner, batch: int, context: int, base_id: int,
+                     device: str) -> float:
+    """Prefill ``batch`` requests of ``context`` tokens, then time decode steps over them."""
+    vocab = runner.model.config.vocab_size
+    prompts = torch.randint(0, vocab, (batch, context)).tolist()
+    ids = [base_id + i for i in range(batch)]
+    for rid in ids:
+        runner.allocator.allocate(rid, context + 1)
+    runner.execute(SchedulerOutput(0, [ScheduledRequest(rid, prompt, 0, GREEDY, prompt, [])
+                                       for rid, prompt in zip(ids, prompts)]))
+    # Decode at a fixed context (re-writing the same slot each step), so every step is alike.
+    step = SchedulerOutput(1, [ScheduledRequest(rid, [1], context, GREEDY, prompt, [1])
+                               for rid, prompt in zip(ids, prompts)])
+    seconds = time_fn(lambda: runner.execute(step), device, warmup=3, min_runs=10,
+                      min_seconds=1.0)
+    for rid in ids:
+        runner.allocator.free(rid)
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="orca-tiny")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 32])
+    parser.add_argument("--context", type=int, default=128, help="tokens per request")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    max_batch = max(args.batch_sizes)
+    tokens = max_batch * (args.context + BLOCK_SIZE)
+    blocks = num_kv_blocks(loaded.config, BLOCK_SIZE, loaded.dtype, kv_cache_tokens=tokens)
+    runner = ModelRunner(loaded.model, KVCache(loaded.config, blocks, BLOCK_SIZE, loaded.dtype,
+                                               args.device),
+                         SlotAllocator(blocks, BLOCK_SIZE))
+    bandwidth = copy_bandwidth(args.device)
+    weights = weight_bytes_per_step(loaded.model)
+    bound = weights / bandwidth
+    print(f"model {args.model} ({args.dtype}, {args.device}, {torch.get_num_threads()} threads): "
+          f"{weights / 1e6:.1f} MB of weights read per decode step")
+    print(f"copy bandwidth {bandwidth / 1e9:.2f} GB/s -> bound {bound * 1e3:.3f} ms per step")
+    print(f"{'batch':>5} {'context':>7} {'step ms':>9} {'x bound':>8} {'tokens/s':>9}")
+    for i, batch in enumerate(args.batch_sizes):
+        seconds = decode_step_time(runner, batch, args.context, 1000 * i, args.device)
+        target = "  (target <= 1.50)" if batch <= 4 else ""
+        print(f"{batch:>5} {args.context:>7} {seconds * 1e3:>9.3f} {seconds / bound:>8.2f} "
+              f"{batch / seconds:>9.0f}{target}")
+
+
+if __name__ == "__main__":
+    main()

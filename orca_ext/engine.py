@@ -1,0 +1,254 @@
+"""The engine: one model iteration per ``step`` (schedule, execute, update), plus what users see
+of a request (its text, stop strings, logprobs, ``n`` samples merged into one output)."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from .batch import RunnerOutput, SchedulerOutput, TokenLogprobs
+from .detokenizer import Detokenizer, Tokenizer
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .request import Request
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerStats
+
+
+class Executor(Protocol):
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput: ...
+
+
+class PipelinedExecutor(Protocol):
+    """An executor that runs several batches at once; ``collect`` returns them in submit order."""
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None: ...
+    def collect(self) -> RunnerOutput: ...
+
+
+class _InlineExecutor:
+    """``submit``/``collect`` over a synchronous ``execute`` (one batch in flight)."""
+
+    def __init__(self, executor: Executor) -> None:
+        self._executor = executor
+        self._done: deque[RunnerOutput] = deque()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        self._done.append(self._executor.execute(scheduler_output))
+
+    def collect(self) -> RunnerOutput:
+        return self._done.popleft()
+
+
+@dataclass
+class EngineStats(SchedulerStats):
+    num_requests: int = 0  # unfinished user requests (a request with n > 1 counts once)
+    num_generated_tokens: int = 0  # since start
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """Engine-side state of one sample of a user request."""
+
+    request: Request
+    group: _Group
+    detokenizer: Detokenizer | None
+    logprobs: list[dict[int, float]] | None
+    cumulative_logprob: float | None
+
+
+@dataclass(eq=False)
+class _Group:
+    """A user request: its ``n`` sequences, merged into one RequestOutput."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[_Sequence]
+    metrics: RequestMetrics
+    stream: bool
+
+
+class Engine:
+    """Runs requests to completion one iteration at a time.
+
+    ``step`` is meant for one thread (the engine loop); ``add_request``, ``abort`` and ``stats``
+    may be called from others: a lock guards the scheduler, and is not held while the executor
+    runs a batch.
+    """
+
+    def __init__(self, executor: Executor | PipelinedExecutor, scheduler: Scheduler, *,
+                 max_model_len: int, tokenizer: Tokenizer | None = None,
+                 eos_token_ids: Iterable[int] = (), vocab_size: int | None = None) -> None:
+        if scheduler.config.num_batches_in_flight == 1:
+            self._executor: PipelinedExecutor = _InlineExecutor(executor)
+        elif hasattr(executor, "submit") and hasattr(executor, "collect"):
+            self._executor = executor
+        else:
+            raise ValueError("num_batches_in_flight > 1 needs an executor with submit/collect")
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.num_generated_tokens = 0
+        self._groups: dict[str, _Group] = {}
+        self._sequences: dict[int, _Sequence] = {}
+        self._next_id = itertools.count()
+        self._lock = threading.Lock()
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None, *, arrival_time: float | None = None,
+                    stream: bool = True) -> None:
+        """Queue a request. Bad input raises ValueError naming the field, and changes nothing.
+        With ``stream`` False, ``step`` reports the request only once it has finished."""
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        params = self._check_params(params)
+        # vLLM's rule: prompt + output <= max_model_len, but always at least one new token.
+        max_new = min(params.max_tokens, max(1, self.max_model_len - len(prompt_ids)))
+        self.scheduler.check_fits(len(prompt_ids), max_new)
+        stops = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= self.eos_token_ids
+        metrics = RequestMetrics(time.time() if arrival_time is None else arrival_time)
+        group = _Group(request_id, prompt_text, prompt_ids, [], metrics, stream)
+        for i in range(params.n):
+            child = params
+            if params.n > 1:  # distinct seeds, else the n samples would be identical
+                child = dataclasses.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + i)
+            request = Request(next(self._next_id), prompt_ids, child, max_new, stops)
+            detokenizer = (None if self.tokenizer is None
+                           else Detokenizer(self.tokenizer, prompt_ids, params.stop))
+            wants_logprobs = params.logprobs is not None
+            group.sequences.append(_Sequence(request, group, detokenizer,
+                                             [] if wants_logprobs else None,
+                                             0.0 if wants_logprobs else None))
+        with self._lock:
+            if request_id in self._groups:
+                raise ValueError(f"request_id: {request_id!r} is already in use")
+            self._groups[request_id] = group
+            for seq in group.sequences:
+                self._sequences[seq.request.request_id] = seq
+                self.scheduler.add_request(seq.request)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its KV; return its final output (None if it is not known)."""
+        with self._lock:
+            group = self._groups.pop(request_id, None)
+            if group is None:
+                return None
+            for seq in group.sequences:
+                self.scheduler.abort(seq.request.request_id)
+                del self._sequences[seq.request.request_id]
+            group.metrics.finish_time = time.time()
+            return self._output(group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._groups) or self.scheduler.num_batches_in_flight > 0
+
+    def step(self) -> list[RequestOutput]:
+        """Launch batches until ``num_batches_in_flight`` are out, wait for the oldest, and
+        return the outputs of the requests it advanced (finished ones with their KV freed)."""
+        with self._lock:
+            batches = []
+            while (batch := self.scheduler.schedule()).requests:
+                batches.append(batch)
+        for batch in batches:
+            self._executor.submit(batch)
+        if not self.scheduler.num_batches_in_flight:
+            return []
+        result = self._executor.collect()
+        with self._lock:
+            return self._process(result)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return EngineStats(**dataclasses.asdict(self.scheduler.stats()),
+                               num_requests=len(self._groups),
+                               num_generated_tokens=self.num_generated_tokens)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text needs a tokenizer; pass token ids instead")
+            text, ids = prompt, (self.tokenizer.encode(prompt) if prompt else [])
+        else:
+            text, ids = None, list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt: token ids must be integers")
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        bad = [t for t in ids if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary "
+                             f"(size {self.vocab_size})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens is longer than the context "
+                             f"(max_model_len={self.max_model_len})")
+        return text, ids
+
+    def _check_params(self, params: SamplingParams | None) -> SamplingParams:
+        if params is None:
+            return SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params = dataclasses.replace(params)  # re-validates (fields may have been changed); a copy
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer")
+        return params
+
+    def _process(self, result: RunnerOutput) -> list[RequestOutput]:
+        logprobs = dict(zip(result.request_ids, result.logprobs))
+        now = time.time()
+        touched: dict[str, _Group] = {}
+        for request in self.scheduler.update(result):
+            seq = self._sequences[request.request_id]
+            touched[seq.group.request_id] = seq.group
+            if seq.group.metrics.first_token_time is None:
+                seq.group.metrics.first_token_time = now
+            self._append(seq, request.output_token_ids[-1], logprobs[request.request_id])
+            self.num_generated_tokens += 1
+        outputs = []
+        for group in touched.values():
+            finished = all(seq.request.finished for seq in group.sequences)
+            if finished:
+                group.metrics.finish_time = now
+                del self._groups[group.request_id]
+                for seq in group.sequences:
+                    del self._sequences[seq.request.request_id]
+            if finished or group.stream:
+                outputs.append(self._output(group))
+        return outputs
+
+    def _append(self, seq: _Sequence, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        request = seq.request
+        if seq.logprobs is not None and logprobs is not None:
+            seq.logprobs.append({token_id: logprobs.logprob, **logprobs.top})
+            seq.cumulative_logprob += logprobs.logprob
+        detokenizer = seq.detokenizer
+        if detokenizer is None:
+            return
+        stop = None
+        if request.finish_reason != "stop":  # a stop token is kept in token_ids, not in the text
+            stop = detokenizer.append(token_id)
+        if stop is None and request.finished:
+            stop = detokenizer.flush()
+        if stop is not None:
+            self.scheduler.finish(request, "stop", stop)
+
+    def _output(self, group: _Group) -> RequestOutput:
+        outputs = []
+        for index, seq in enumerate(group.sequences):
+            request = seq.request
+            text = "" if seq.detokenizer is None else seq.detokenizer.output_text(request.finished)
+            outputs.append(CompletionOutput(
+                index, text, list(request.output_token_ids), seq.cumulative_logprob,
+                None if seq.logprobs is None else list(seq.logprobs),
+                request.finish_reason, request.stop_reason))
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,
+                             all(o.finished() for o in outputs), dataclasses.replace(group.metrics))

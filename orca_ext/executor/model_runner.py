@@ -1,0 +1,55 @@
+"""In-process executor: one SchedulerOutput in, one sampled token per request out."""
+from __future__ import annotations
+
+from itertools import accumulate, chain
+
+import torch
+from torch import nn
+
+from ..batch import RunnerOutput, SchedulerOutput
+from ..kv import SlotAllocator
+from ..model.layers import AttentionMetadata
+from ..sampling import Sampler
+from .kv_cache import KVCache
+
+
+class ModelRunner:
+    """Packs the scheduled requests' tokens, builds the iteration's attention metadata once
+    (``allocator.build_metadata``), runs the model, and samples each request's last token.
+
+    The scheduler owns the allocator's allocate/extend/free; the runner only reads it.
+    """
+
+    def __init__(self, model: nn.Module, kv_cache: KVCache, allocator: SlotAllocator,
+                 sampler: Sampler | None = None) -> None:
+        if allocator.block_size != kv_cache.block_size or allocator.num_blocks > kv_cache.num_blocks:
+            raise ValueError(f"allocator ({allocator.num_blocks} blocks of {allocator.block_size}) "
+                             f"does not fit the KV cache ({kv_cache.num_blocks} blocks of "
+                             f"{kv_cache.block_size})")
+        self.model, self.kv_cache, self.allocator = model, kv_cache, allocator
+        self.sampler = sampler or Sampler()
+        self.device = kv_cache.device
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        self.sampler.drop(scheduler_output.finished_request_ids)
+        requests = scheduler_output.requests
+        sampled = [r for r in requests if r.sample]
+        output = RunnerOutput(scheduler_output.batch_id, [r.request_id for r in sampled], [], [])
+        if not requests:
+            return output
+        num_new = [len(r.token_ids) for r in requests]
+        cu_q_lens, context_lens, block_table, slot_mapping, positions = (
+            t.to(self.device, non_blocking=True) for t in self.allocator.build_metadata(
+                [r.request_id for r in requests], [r.num_computed for r in requests], num_new))
+        input_ids = torch.tensor(list(chain.from_iterable(r.token_ids for r in requests)),
+                                 dtype=torch.int64).to(self.device, non_blocking=True)
+        meta = AttentionMetadata(cu_q_lens, context_lens, block_table, slot_mapping)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        if not sampled:
+            return output
+        last_rows = [end - 1 for end, r in zip(accumulate(num_new), requests) if r.sample]
+        indices = torch.tensor(last_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        result = self.sampler(self.model.compute_logits(hidden, indices), sampled)
+        output.sampled_token_ids, output.logprobs = result.token_ids, result.logprobs
+        return output

@@ -1,0 +1,115 @@
+"""Offline generation, mirroring vLLM's ``LLM``."""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm import tqdm
+
+from .engine import Engine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+from .scheduler import SchedulerConfig, make_scheduler
+
+if TYPE_CHECKING:
+    from .model import LoadedModel
+
+Prompt = str | list[int]
+
+
+def build_engine(model: str | LoadedModel, *, dtype: torch.dtype | str = "float32",
+                 device: torch.device | str | None = None, max_batch_size: int = 32,
+                 kv_cache_tokens: int | None = None, kv_cache_memory: int | None = None,
+                 block_size: int = 16, policy: str = "orca",
+                 max_num_batched_tokens: int | None = None) -> Engine:
+    """Load ``model`` (a built-in name or a Hugging Face folder; or take a loaded one, with its
+    own dtype and device) and wire allocator, KV cache, runner and scheduler into an Engine.
+    Without a KV budget, the cache holds ``max_batch_size`` full-context requests."""
+    # Imported here so that ``import orca_ext`` stays light.
+    from .executor import KVCache, ModelRunner, num_kv_blocks
+    from .kv import SlotAllocator
+    from .model import load_model
+
+    config = SchedulerConfig(policy, max_batch_size, 1, max_num_batched_tokens)
+    if isinstance(model, str):
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        loaded = load_model(model, dtype, device)
+    else:
+        loaded = model
+    if kv_cache_tokens is None and kv_cache_memory is None:
+        kv_cache_tokens = max_batch_size * loaded.max_model_len
+    num_blocks = num_kv_blocks(loaded.config, block_size, loaded.dtype, kv_cache_tokens,
+                               kv_cache_memory)
+    allocator = SlotAllocator(num_blocks, block_size)
+    kv_cache = KVCache(loaded.config, num_blocks, block_size, loaded.dtype, loaded.device)
+    runner = ModelRunner(loaded.model, kv_cache, allocator)
+    return Engine(runner, make_scheduler(config, allocator), max_model_len=loaded.max_model_len,
+                  tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
+                  vocab_size=loaded.config.vocab_size)
+
+
+class LLM:
+    """``LLM(model=...).generate(prompts, params)``: every prompt arrives at once and the engine
+    runs until all have finished. Arguments are those of ``build_engine``."""
+
+    def __init__(self, model: str | LoadedModel, dtype: torch.dtype | str = "float32",
+                 max_batch_size: int = 32, kv_cache_tokens: int | None = None,
+                 kv_cache_memory: int | None = None, block_size: int = 16, policy: str = "orca",
+                 max_num_batched_tokens: int | None = None,
+                 device: torch.device | str | None = None) -> None:
+        self.engine = build_engine(
+            model, dtype=dtype, device=device, max_batch_size=max_batch_size,
+            kv_cache_tokens=kv_cache_tokens, kv_cache_memory=kv_cache_memory,
+            block_size=block_size, policy=policy, max_num_batched_tokens=max_num_batched_tokens)
+        self._next_id = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for each prompt (text, or a list of token ids); outputs in input order."""
+        prompts = _prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} "
+                                 "prompts")
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(str(next(self._next_id)))
+                self.engine.add_request(ids[-1], prompt, p, stream=False)
+        except Exception:
+            for request_id in ids:  # all or nothing
+                self.engine.abort(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        start, num_tokens = time.perf_counter(), 0
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished():
+                for output in self.engine.step():
+                    done[output.request_id] = output
+                    num_tokens += sum(len(o.token_ids) for o in output.outputs)
+                    bar.update(1)
+                    bar.set_postfix_str(
+                        f"output {num_tokens / (time.perf_counter() - start):.1f} tok/s")
+        return [done[request_id] for request_id in ids]
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    return prompts

@@ -1,0 +1,157 @@
+"""Batched sampling over the packed requests' logits.
+
+Per row, in Hugging Face's order: repetition / presence / frequency penalties, then greedy
+(exact argmax) or temperature -> top_k -> top_p -> min_p -> a draw. Each seeded request has its
+own ``torch.Generator``, seeded once and consuming one ``vocab``-sized draw per sampled token, so
+its stream does not depend on which requests share the batch. Logprobs are those of the model's
+distribution (``log_softmax`` of the raw logits, before penalties and temperature).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .batch import ScheduledRequest, TokenLogprobs
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
+
+def _token_table(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """Ragged token lists as one ``[S, max_len]`` int64 tensor padded with ``pad``."""
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor([[*r, *[pad] * (width - len(r))] for r in rows], dtype=torch.int64,
+                        device=device).view(len(rows), width)
+
+
+def apply_penalties(logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
+    """Repetition penalty over prompt + output tokens (HF/vLLM: positive logits divided, negative
+    multiplied); presence and frequency penalties over output tokens (OpenAI)."""
+    num_rows, vocab = logits.shape
+    params = [r.sampling_params for r in requests]
+    active = [_has_penalty(p) for p in params]
+    seen_lists = [r.prompt_token_ids + r.output_token_ids if on else []
+                  for r, on in zip(requests, active)]
+    out_lists = [r.output_token_ids if on else [] for r, on in zip(requests, active)]
+    # Column ``vocab`` absorbs the padding.
+    seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, _token_table(seen_lists, vocab, logits.device), True)
+    counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=logits.device)
+    out_table = _token_table(out_lists, vocab, logits.device)
+    counts.scatter_add_(1, out_table, torch.ones_like(out_table, dtype=logits.dtype))
+    seen, counts = seen[:, :vocab], counts[:, :vocab]
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None]
+
+    rep = column([p.repetition_penalty for p in params])
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return (logits - column([p.frequency_penalty for p in params]) * counts
+            - column([p.presence_penalty for p in params]) * (counts > 0))
+
+
+def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Mask (to -inf) what top_k, top_p and min_p exclude, each only where some row uses it."""
+    num_rows, vocab = logits.shape
+    device = logits.device
+    top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < vocab for k in top_k) or any(p < 1 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        k = torch.tensor(top_k, device=device).clamp(max=vocab)[:, None]
+        kth = sorted_logits.gather(1, k - 1)
+        remove = sorted_logits < kth  # ties with the k-th are kept
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        p = torch.tensor(top_p, dtype=probs.dtype, device=device)[:, None]
+        # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+        remove |= ((probs.cumsum(dim=-1) - probs) > p) & (p < 1)
+        logits = logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    if any(p.min_p > 0 for p in params):
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device)
+        threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+class Sampler:
+    """Samples one token per row of ``logits [S, vocab]`` (float32), row i for ``requests[i]``."""
+
+    def __init__(self) -> None:
+        self._generators: dict[int, torch.Generator] = {}
+
+    def drop(self, request_ids: Iterable[int]) -> None:
+        """Forget ended requests' generators."""
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor,
+                 requests: Sequence[ScheduledRequest]) -> SamplerOutput:
+        params = [r.sampling_params for r in requests]
+        scores = logits.float()
+        if any(_has_penalty(p) for p in params):
+            scores = apply_penalties(scores, requests)
+        greedy = [p.greedy for p in params]
+        tokens = scores.argmax(dim=-1)
+        if not all(greedy):
+            temperature = torch.tensor([1.0 if g else p.temperature
+                                        for g, p in zip(greedy, params)], device=scores.device)
+            probs = filter_logits(scores / temperature[:, None], params).softmax(dim=-1)
+            # Exponential race: argmax(p / E), E ~ Exp(1), draws a token with probability p.
+            race = probs / self._exponentials(probs, requests, greedy)
+            is_greedy = torch.tensor(greedy, device=scores.device)
+            tokens = torch.where(is_greedy, tokens, race.argmax(dim=-1))
+        token_ids = tokens.tolist()
+        return SamplerOutput(token_ids, self._logprobs(logits, tokens, params))
+
+    def _exponentials(self, probs: torch.Tensor, requests: Sequence[ScheduledRequest],
+                      greedy: list[bool]) -> torch.Tensor:
+        """Exp(1) noise ``[S, vocab]``: seeded rows from their own generator, the rest from
+        torch's default one."""
+        noise = torch.empty_like(probs).exponential_()
+        for row, (request, is_greedy) in enumerate(zip(requests, greedy)):
+            seed = request.sampling_params.seed
+            if seed is None or is_greedy:
+                continue
+            generator = self._generators.get(request.request_id)
+            if generator is None:
+                generator = self._new_generator(seed, len(request.output_token_ids), probs)
+                self._generators[request.request_id] = generator
+            noise[row].exponential_(generator=generator)
+        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+    @staticmethod
+    def _new_generator(seed: int, num_drawn: int, probs: torch.Tensor) -> torch.Generator:
+        """A generator seeded with ``seed`` and advanced past the ``num_drawn`` tokens a
+        request already sampled (it resumes after preemption where it left off)."""
+        generator = torch.Generator(device=probs.device).manual_seed(seed)
+        scratch = torch.empty(probs.shape[1], dtype=probs.dtype, device=probs.device)
+        for _ in range(num_drawn):
+            scratch.exponential_(generator=generator)
+        return generator
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                  params: Sequence[SamplingParams]) -> list[TokenLogprobs | None]:
+        wanted = [p.logprobs for p in params]
+        if all(n is None for n in wanted):
+            return [None] * len(params)
+        logprobs = logits.float().log_softmax(dim=-1)
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        top_n = max(n or 0 for n in wanted)
+        top_values, top_ids = logprobs.topk(top_n, dim=-1)
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        return [None if n is None else TokenLogprobs(chosen[row], dict(zip(top_ids[row][:n],
+                                                                            top_values[row][:n])))
+                for row, n in enumerate(wanted)]

@@ -1,0 +1,283 @@
+"""Iteration-level scheduling: Orca's Select and the policies behind one interface.
+
+The scheduler moves request ids, token ids and KV block bookkeeping only, never tensors: the
+executor turns a ``SchedulerOutput`` into tensors through the allocator's ``build_metadata``.
+Requests are served first-come first-served: every policy walks them in arrival order and stops
+(never skips ahead) at the first one that does not fit, so a later request never overtakes.
+"""
+from __future__ import annotations
+
+import sys
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .batch import RunnerOutput, ScheduledRequest, SchedulerOutput
+from .request import Request
+
+if TYPE_CHECKING:
+    from .kv import SlotAllocator
+
+# A request's share of a batch: the request and how many of its tokens run now.
+Picked = list[tuple[Request, int]]
+
+
+@dataclass
+class SchedulerConfig:
+    policy: str = "orca"  # "orca", "paged" or "request"
+    max_batch_size: int = 32
+    num_batches_in_flight: int = 1  # Orca's pipelining: batches handed out and not yet returned
+    max_num_batched_tokens: int | None = None  # paged only: per-iteration budget (chunked prefill)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        for name in ("max_batch_size", "num_batches_in_flight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens is not None:
+            if self.policy != "paged":
+                raise ValueError("max_num_batched_tokens needs policy='paged' (orca and request "
+                                 "run each prompt whole)")
+            if self.max_num_batched_tokens < 1:
+                raise ValueError(f"max_num_batched_tokens must be >= 1, got "
+                                 f"{self.max_num_batched_tokens}")
+
+
+@dataclass
+class SchedulerStats:
+    num_waiting: int
+    num_running: int
+    num_batches_in_flight: int
+    num_used_blocks: int
+    num_blocks: int
+    num_preemptions: int  # since start
+
+    @property
+    def kv_usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+
+class Scheduler:
+    """The request pool and the batches in flight; a policy's ``_select`` picks each batch."""
+
+    def __init__(self, config: SchedulerConfig, allocator: SlotAllocator) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Request] = deque()  # holding no KV, in arrival order
+        self.running: list[Request] = []  # holding KV, in arrival order
+        self.requests: dict[int, Request] = {}  # every unfinished request
+        self.num_preemptions = 0
+        self._batches: dict[int, Picked] = {}
+        self._next_batch_id = 0
+        self._ended: list[int] = []  # ids to report in the next batch's finished_request_ids
+
+    @property
+    def kv_capacity(self) -> int:
+        return self.allocator.num_blocks * self.allocator.block_size
+
+    @property
+    def num_batches_in_flight(self) -> int:
+        return len(self._batches)
+
+    def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
+        """Reject a request that could never be admitted, even into an empty KV cache."""
+        need = num_prompt_tokens + max_new_tokens
+        if need > self.kv_capacity:
+            raise ValueError(
+                f"max_tokens: prompt ({num_prompt_tokens} tokens) + max_tokens ({max_new_tokens}) "
+                f"= {need} tokens exceeds the whole KV cache ({self.kv_capacity} tokens)")
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id} is already scheduled")
+        self.check_fits(len(request.prompt_token_ids), request.max_new_tokens)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: int) -> None:
+        """End a request; an unknown or already finished id is ignored."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, "abort")
+
+    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """End ``request`` (or relabel it if it has ended already) and free its KV, which a
+        request inside a batch still running keeps until that batch returns."""
+        if not request.finished:
+            if request in self.running:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            del self.requests[request.request_id]
+            if not request.in_flight:
+                self._release(request)
+        request.finish_reason, request.stop_reason = reason, stop_reason
+
+    def schedule(self) -> SchedulerOutput:
+        """The next batch; it has no requests when nothing can run (or the pipeline is full)."""
+        full = len(self._batches) >= self.config.num_batches_in_flight
+        picked = [] if full else self._select()
+        if not picked:
+            return SchedulerOutput(self._next_batch_id, [])
+        scheduled = []
+        for request, num_new in picked:
+            request.in_flight = True
+            start = request.num_computed
+            scheduled.append(ScheduledRequest(
+                request.request_id, request.all_token_ids[start:start + num_new], start,
+                request.sampling_params, request.prompt_token_ids, request.output_token_ids,
+                sample=start + num_new == request.num_tokens))
+        output = SchedulerOutput(self._next_batch_id, scheduled, self._ended)
+        self._batches[output.batch_id] = picked
+        self._next_batch_id += 1
+        self._ended = []
+        return output
+
+    def update(self, output: RunnerOutput) -> list[Request]:
+        """Apply a returned batch; return the requests that got a token (finished ones included,
+        their KV already freed)."""
+        picked = self._batches.pop(output.batch_id)
+        by_id = {}
+        for request, num_new in picked:
+            request.in_flight = False
+            if request.finished:  # aborted while its batch ran
+                self._release(request)
+            else:
+                request.num_computed += num_new
+                by_id[request.request_id] = request
+        updated = []
+        for request_id, token_id in zip(output.request_ids, output.sampled_token_ids):
+            request = by_id.get(request_id)
+            if request is None:
+                continue
+            stop = request.append_token(token_id)
+            if stop is not None:
+                self.finish(request, *stop)
+            updated.append(request)
+        return updated
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.waiting), len(self.running), len(self._batches),
+                              self.allocator.num_used_blocks, self.allocator.num_blocks,
+                              self.num_preemptions)
+
+    def _select(self) -> Picked:
+        raise NotImplementedError
+
+    def _admit(self, request: Request, num_tokens: int) -> bool:
+        """Move the oldest waiting request to running with KV for ``num_tokens``, if it fits."""
+        if not self.allocator.can_allocate(num_tokens):
+            return False
+        self.allocator.allocate(request.request_id, num_tokens)
+        self.waiting.popleft()
+        self.running.append(request)
+        return True
+
+    def _release(self, request: Request) -> None:
+        if request.request_id in self.allocator:
+            self.allocator.free(request.request_id)
+        self._ended.append(request.request_id)
+
+
+class OrcaScheduler(Scheduler):
+    """Orca's Select: a request reserves prompt + max_tokens slots at admission (the reservation
+    is the allocation) and is never preempted; a prompt runs whole in its first iteration."""
+
+    def _select(self) -> Picked:
+        max_batch_size = self.config.max_batch_size
+        batch = []
+        for request in self.running:
+            if request.in_flight:
+                continue
+            if len(batch) == max_batch_size:
+                return batch
+            batch.append((request, request.num_tokens - request.num_computed))
+        while self.waiting and len(batch) < max_batch_size:
+            request = self.waiting[0]
+            if not self._admit(request, request.max_total_tokens):
+                break
+            batch.append((request, request.num_tokens))
+        return batch
+
+
+class RequestLevelScheduler(Scheduler):
+    """The request-level batching baseline: a new batch is admitted (as under Orca) only once
+    every request of the previous one has finished."""
+
+    def _select(self) -> Picked:
+        if not self.running:
+            while self.waiting and len(self.running) < self.config.max_batch_size:
+                request = self.waiting[0]
+                if not self._admit(request, request.max_total_tokens):
+                    break
+        return [(r, r.num_tokens - r.num_computed) for r in self.running if not r.in_flight]
+
+
+class PagedScheduler(Scheduler):
+    """KV blocks are allocated as tokens arrive; when they run out, the latest-arrived running
+    request is preempted and later recomputed from its prompt and outputs. With a token budget,
+    long prompts run in chunks."""
+
+    def _select(self) -> Picked:
+        max_batch_size = self.config.max_batch_size
+        budget = self.config.max_num_batched_tokens or sys.maxsize
+        preemptions = self.num_preemptions
+        batch: Picked = []
+        chosen: set[int] = set()
+        i = 0
+        while i < len(self.running):  # preemption removes requests from the tail as we go
+            request = self.running[i]
+            i += 1
+            if request.in_flight:
+                continue
+            if len(batch) == max_batch_size or budget == 0:
+                break
+            num_new = min(request.num_tokens - request.num_computed, budget)
+            if not self._grow(request, request.num_computed + num_new, chosen):
+                break
+            batch.append((request, num_new))
+            chosen.add(request.request_id)
+            budget -= num_new
+        if self.num_preemptions != preemptions:
+            return batch  # memory is short: let the running requests drain first
+        while self.waiting and len(batch) < max_batch_size and budget > 0:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens, budget)
+            if not self._admit(request, num_new):
+                break
+            batch.append((request, num_new))
+            budget -= num_new
+        return batch
+
+    def _grow(self, request: Request, total_tokens: int, chosen: set[int]) -> bool:
+        """Give ``request`` room for ``total_tokens``, preempting the latest-arrived requests not
+        in this batch or in flight; False if ``request`` itself had to go."""
+        while True:
+            need = total_tokens - self.allocator.capacity(request.request_id)
+            if need <= 0:
+                return True
+            if self.allocator.can_allocate(need):
+                self.allocator.extend(request.request_id, total_tokens)
+                return True
+            victim = next(r for r in reversed(self.running)
+                          if not r.in_flight and r.request_id not in chosen)
+            self._preempt(victim)
+            if victim is request:
+                return False
+
+    def _preempt(self, request: Request) -> None:
+        self.allocator.free(request.request_id)
+        request.num_computed = 0
+        self.running.remove(request)
+        self.waiting.appendleft(request)  # victims go latest first, so arrival order holds
+        self._ended.append(request.request_id)
+        self.num_preemptions += 1
+
+
+POLICIES: dict[str, type[Scheduler]] = {
+    "orca": OrcaScheduler, "paged": PagedScheduler, "request": RequestLevelScheduler}
+
+
+def make_scheduler(config: SchedulerConfig, allocator: SlotAllocator) -> Scheduler:
+    return POLICIES[config.policy](config, allocator)

@@ -1,0 +1,239 @@
+"""What HTTP and gRPC share: auth, the model name, prompt checks, the waiting-queue bound, and
+running a request (one or several prompts) on the AsyncEngine with metrics.
+
+A request's prompts are added to the engine together and the server waits for every prompt's
+first output before answering, so bad input, a full queue or a dead engine is always an error
+status, never a broken stream. Closing a ``Generation`` (the client went away, the call was
+cancelled) aborts whatever is still running, which frees its KV at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from ..async_engine import AsyncEngine, EngineDeadError
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from .chat import ChatTemplate, ChatTemplateError
+from .metrics import ServerMetrics
+from .protocol import APIError
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+
+class ServingCore:
+    def __init__(self, engine: AsyncEngine, model_name: str = "orca-tiny", *,
+                 chat_template: str | None = None, bos_token: str | None = None,
+                 eos_token: str | None = None, api_key: str | None = None,
+                 max_queue: int | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        if max_queue is not None and max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.chat_template = ChatTemplate(chat_template, bos_token=bos_token,
+                                          eos_token=eos_token)
+        self.api_key = api_key or None
+        self.max_queue = max_queue
+        self.max_body_bytes = max_body_bytes
+        self.metrics = ServerMetrics(engine)
+
+    # --- checks ------------------------------------------------------------------------------
+
+    def check_api_key(self, authorization: str | None) -> None:
+        """``authorization`` is the header ("Bearer <key>"); no-op without a server key."""
+        if self.api_key is None:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 self.api_key.encode()):
+            message = ("missing API key: send 'Authorization: Bearer <key>'" if not authorization
+                       else "incorrect API key")
+            raise APIError(401, message, code="invalid_api_key")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError.bad_request(f"the model {model!r} does not exist; this server serves "
+                                       f"{self.model_name!r}", "model", "model_not_found")
+
+    def check_healthy(self) -> None:
+        if not self.engine.is_healthy():
+            raise APIError(503, "the engine is not running (dead or stuck)",
+                           code="engine_unavailable")
+
+    # --- prompts -----------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int], param: str = "prompt",
+                 add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise APIError.bad_request("text prompts need a tokenizer; send token ids", param)
+            if not prompt:
+                raise APIError.bad_request(f"{param} must not be empty", param)
+            try:
+                ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            except TypeError:
+                ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise APIError.bad_request(f"{param} must not be empty", param)
+        if len(ids) > self.max_model_len:
+            raise APIError.bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the "
+                f"{param} has {len(ids)} tokens", param, "context_length_exceeded")
+        return ids
+
+    def max_new_tokens(self, prompt_ids: Sequence[Sequence[int]], requested: int | None,
+                       param: str = "max_tokens") -> int:
+        """``requested`` checked against the context of the longest prompt (as OpenAI does);
+        None means the rest of the context."""
+        longest = max(len(ids) for ids in prompt_ids)
+        room = self.max_model_len - longest
+        if requested is None:
+            if room < 1:
+                raise APIError.bad_request(
+                    f"the prompt ({longest} tokens) fills the model's context "
+                    f"({self.max_model_len} tokens): no room to generate", "prompt",
+                    "context_length_exceeded")
+            return room
+        if requested < 1:
+            raise APIError.bad_request(f"{param} must be >= 1, got {requested}", param)
+        if requested > room:
+            raise APIError.bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {longest + requested} tokens ({longest} in the prompt, "
+                f"{requested} for the completion). Reduce the prompt or {param}.", param,
+                "context_length_exceeded")
+        return requested
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        try:
+            return self.chat_template.render(messages, add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise APIError.bad_request(str(exc), "messages") from None
+
+    # --- running -----------------------------------------------------------------------------
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    async def start(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                    api: str) -> Generation:
+        """Add every prompt and wait for each one's first output; APIError on bad input, a full
+        queue or a dead engine (nothing is left running then)."""
+        self.metrics.requests.labels(api).inc()
+        try:
+            self.check_healthy()
+            ids = [request_id] if len(prompts) == 1 else \
+                [f"{request_id}-{i}" for i in range(len(prompts))]
+            streams = [self.engine.generate(p, params, rid) for p, rid in zip(prompts, ids)]
+            tasks = [asyncio.ensure_future(self._first(s)) for s in streams]
+            try:
+                firsts = list(await asyncio.gather(*tasks))
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                for stream in streams:
+                    await stream.aclose()
+                raise
+        except APIError as exc:
+            self.metrics.errors.labels(api, str(exc.status)).inc()
+            raise
+        return Generation(self, streams, firsts)
+
+    async def _first(self, stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+        # No await between the queue check and the engine's add_request (inside the first
+        # __anext__), so concurrent requests cannot overshoot the bound.
+        if self.max_queue is not None:
+            waiting = self.engine.stats().num_waiting
+            if waiting >= self.max_queue:
+                raise APIError(429, f"the server is busy: {waiting} requests are waiting "
+                               f"(max_queue={self.max_queue}); retry later", code="queue_full")
+        try:
+            return await stream.__anext__()
+        except ValueError as exc:
+            raise APIError.from_value_error(exc) from None
+        except EngineDeadError as exc:
+            raise APIError(503, f"the engine is not running: {exc}",
+                           code="engine_unavailable") from None
+        except StopAsyncIteration:
+            raise APIError(500, "the engine ended the request without output") from None
+
+
+class Generation:
+    """The running prompts of one API request. Iterate ``stream()`` (or await ``final()``) once;
+    leaving early aborts what is still running."""
+
+    def __init__(self, core: ServingCore, streams: list[AsyncIterator[RequestOutput]],
+                 firsts: list[RequestOutput]) -> None:
+        self.core = core
+        self.latest = list(firsts)  # the newest output of each prompt
+        self._streams = streams
+
+    async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, cumulative output) pairs: the first outputs, then as they come."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async for output in stream:
+                    queue.put_nowait((index, output))
+            except Exception as exc:  # noqa: BLE001  (re-raised by the consumer)
+                queue.put_nowait((index, exc))
+            finally:
+                queue.put_nowait((index, done))
+
+        tasks = []
+        try:
+            for index, output in enumerate(self.latest):
+                self._record_if_finished(output)
+                yield index, output
+            tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(self._streams)
+                     if not self.latest[i].finished]
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                    continue
+                if isinstance(item, EngineDeadError):
+                    raise APIError(503, f"the engine stopped: {item}",
+                                   code="engine_unavailable")
+                if isinstance(item, Exception):
+                    raise item
+                self.latest[index] = item
+                self._record_if_finished(item)
+                yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            await self.aclose()
+
+    async def final(self) -> list[RequestOutput]:
+        async for _ in self.stream():
+            pass
+        return self.latest
+
+    async def aclose(self) -> None:
+        """Abort what is still running (idempotent)."""
+        streams, self._streams = self._streams, []
+        for stream in streams:
+            await stream.aclose()  # AsyncEngine.generate's finally aborts an unfinished request
+        if streams:
+            for output in self.latest:
+                if not output.finished:
+                    self.core.metrics.request_ended(output, aborted=True)
+
+    def _record_if_finished(self, output: RequestOutput) -> None:
+        if output.finished:
+            self.core.metrics.request_ended(output)

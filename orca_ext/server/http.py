@@ -1,0 +1,335 @@
+"""The OpenAI-compatible HTTP API (FastAPI): ``create_app(engine, ...)``.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics. Bodies are read and parsed here (not by FastAPI) so that every failure, malformed
+JSON included, gets an OpenAI-style error body with the right status. A client that disconnects
+-- while its request waits, runs, or streams -- aborts the request in the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..async_engine import AsyncEngine
+from .core import Generation, ServingCore
+from .metrics import CONTENT_TYPE
+from .protocol import (
+    APIError, ChatCompletionRequest, CompletionRequest, TokenText, chat_logprobs, chat_response,
+    completion_logprobs, completion_response, finish_fields, now, usage, usage_of,
+)
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
+    """The FastAPI app serving ``engine``. ``options`` are ServingCore's (``model_name``,
+    ``chat_template``, ``bos_token``, ``eos_token``, ``api_key``, ``max_queue``,
+    ``max_body_bytes``); or pass a ServingCore to share it with the gRPC server."""
+    core = engine if isinstance(engine, ServingCore) else ServingCore(engine, **options)
+    app = FastAPI(title="orca_ext", version="0.1.0", docs_url=None, redoc_url=None)
+    app.state.core = core
+    token_text = TokenText(core.tokenizer)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = APIError(exc.status_code, str(exc.detail))
+        return JSONResponse(error.body(), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = APIError.bad_request(str(exc))
+        return JSONResponse(error.body(), status_code=400)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _disconnected(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        error = APIError(500, f"internal error: {exc!r}")
+        return JSONResponse(error.body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not core.engine.is_healthy():
+            error = APIError(503, "the engine loop is dead or stuck", code="engine_unavailable")
+            return JSONResponse(error.body(), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(core.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        core.check_api_key(request.headers.get("authorization"))
+        return JSONResponse({"object": "list", "data": [{
+            "id": core.model_name, "object": "model", "created": _STARTED, "owned_by": "orca_ext",
+            "max_model_len": core.max_model_len}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await _parse(request, core, CompletionRequest, "completions")
+        body.check_unsupported()
+        core.check_model(body.model)
+        texts = body.prompts()
+        prompt_ids = [core.tokenize(p) for p in texts]
+        max_tokens = core.max_new_tokens(prompt_ids, body.max_tokens)
+        params = body.sampling_params(max_tokens, body.logprobs)
+        request_id = core.new_request_id("cmpl")
+        generation = await _race(request, core.start(prompt_ids, params, request_id,
+                                                     "completions"))
+        echoes = [(p if isinstance(p, str) else _decode(core, p)) if body.echo else ""
+                  for p in texts]
+        if body.stream:
+            return _sse(_completion_chunks(generation, body, request_id, core.model_name,
+                                           echoes, token_text))
+        outputs = await _race(request, generation.final())
+        choices = []
+        for i, output in enumerate(outputs):
+            for c in output.outputs:
+                choices.append({
+                    "index": i * body.n + c.index, "text": echoes[i] + c.text,
+                    "logprobs": None if c.logprobs is None else completion_logprobs(
+                        c.token_ids, c.logprobs, token_text, len(echoes[i])),
+                    **finish_fields(c)})
+        return JSONResponse(completion_response(request_id, core.model_name, now(), choices,
+                                                usage_of(outputs)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await _parse(request, core, ChatCompletionRequest, "chat")
+        body.check_unsupported()
+        core.check_model(body.model)
+        messages = [{"role": m.role, "content": m.text(),
+                     **({"name": m.name} if m.name else {})} for m in body.messages]
+        text = core.render_chat(messages, body.add_generation_prompt)
+        prompt_ids = [core.tokenize(text, "messages", add_special_tokens=False)]
+        max_tokens = core.max_new_tokens(prompt_ids, body.requested_max_tokens,
+                                         "max_completion_tokens"
+                                         if body.max_completion_tokens is not None
+                                         else "max_tokens")
+        params = body.sampling_params(max_tokens, body.num_logprobs)
+        request_id = core.new_request_id("chatcmpl")
+        generation = await _race(request, core.start(prompt_ids, params, request_id, "chat"))
+        if body.stream:
+            return _sse(_chat_chunks(generation, body, request_id, core.model_name, token_text))
+        (output,) = await _race(request, generation.final())
+        choices = [{
+            "index": c.index, "message": {"role": "assistant", "content": c.text},
+            "logprobs": None if c.logprobs is None else chat_logprobs(
+                c.token_ids, c.logprobs, token_text, body.top_logprobs or 0),
+            **finish_fields(c)} for c in output.outputs]
+        return JSONResponse(chat_response(request_id, core.model_name, now(), choices,
+                                          usage_of([output])))
+
+    app.add_middleware(_CountErrors, core=core)
+    return app
+
+
+_STARTED = now()
+
+
+class _CountErrors:
+    """Counts every 4xx/5xx answer (those of routing and parsing included) in the metrics."""
+
+    def __init__(self, app: Any, core: ServingCore) -> None:
+        self.app = app
+        self.core = core
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message: dict) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400 \
+                    and message["status"] != 499:
+                api = _API_OF_PATH.get(scope.get("path", ""), "other")
+                counter = self.core.metrics.errors.labels(api, str(message["status"]))
+                # core.start already counted engine-side refusals (429, 503 ...) of the APIs
+                if not scope.get("orca_counted"):
+                    counter.inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+_API_OF_PATH = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
+                "/v1/models": "models"}
+
+
+async def _parse(request: Request, core: ServingCore, model: type[M], api: str) -> M:
+    core.check_api_key(request.headers.get("authorization"))
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > core.max_body_bytes:
+        raise APIError(413, f"the request body is larger than {core.max_body_bytes} bytes",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > core.max_body_bytes:
+            raise APIError(413, f"the request body is larger than {core.max_body_bytes} bytes",
+                           code="request_too_large")
+        chunks.append(chunk)
+    try:
+        data = json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError.bad_request(f"the body is not valid JSON: {exc}",
+                                   code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError.bad_request("the body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise APIError.from_validation_error(exc) from None
+
+
+async def _race(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` unless the client disconnects first (then cancel it, which aborts
+    the engine requests, and raise ClientDisconnected)."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            if not task.cancelled() and isinstance(task.exception(), APIError):
+                request.scope["orca_counted"] = True
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if task.done() and not task.cancelled() and task.exception() is None:
+            result = task.result()
+            if isinstance(result, Generation):
+                await result.aclose()
+        raise ClientDisconnected()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _decode(core: ServingCore, ids: list[int]) -> str:
+    return "" if core.tokenizer is None else core.tokenizer.decode(ids)
+
+
+def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except APIError as exc:  # the engine died mid-stream
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _Cursor:
+    """What a streamed choice has sent so far."""
+
+    __slots__ = ("text", "tokens", "done")
+
+    def __init__(self) -> None:
+        self.text = self.tokens = 0
+        self.done = False
+
+
+async def _completion_chunks(generation: Generation, body: CompletionRequest, request_id: str,
+                             model: str, echoes: list[str],
+                             token_text: TokenText) -> AsyncIterator[dict[str, Any]]:
+    created = now()
+    cursors: dict[int, _Cursor] = {}
+    extra = {"usage": None} if body.include_usage else {}
+    try:
+        async for i, output in generation.stream():
+            for c in output.outputs:
+                index = i * body.n + c.index
+                cursor = cursors.setdefault(index, _Cursor())
+                if cursor.done:
+                    continue
+                first = cursor.tokens == 0 and cursor.text == 0
+                text, ids = c.text[cursor.text:], c.token_ids[cursor.tokens:]
+                if not (text or c.finish_reason or (ids and c.logprobs is not None)):
+                    continue
+                offset = cursor.text + (len(echoes[i]) if echoes[i] else 0)
+                choice = {
+                    "index": index, "text": (echoes[i] if first else "") + text,
+                    "logprobs": None if c.logprobs is None else completion_logprobs(
+                        ids, c.logprobs[cursor.tokens:], token_text, offset),
+                    **finish_fields(c)}
+                cursor.text, cursor.tokens = len(c.text), len(c.token_ids)
+                cursor.done = c.finish_reason is not None
+                yield {"id": request_id, "object": "text_completion", "created": created,
+                       "model": model, "choices": [choice], **extra}
+        if body.include_usage:
+            yield {"id": request_id, "object": "text_completion", "created": created,
+                   "model": model, "choices": [], "usage": usage_of(generation.latest)}
+    finally:
+        await generation.aclose()
+
+
+async def _chat_chunks(generation: Generation, body: ChatCompletionRequest, request_id: str,
+                       model: str, token_text: TokenText) -> AsyncIterator[dict[str, Any]]:
+    created = now()
+    cursors: dict[int, _Cursor] = {}
+    extra = {"usage": None} if body.include_usage else {}
+
+    def chunk(choice: dict[str, Any]) -> dict[str, Any]:
+        return {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": model, "choices": [choice], **extra}
+
+    try:
+        for index in range(body.n):  # the role first, as OpenAI does
+            yield chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None})
+        async for _, output in generation.stream():
+            for c in output.outputs:
+                cursor = cursors.setdefault(c.index, _Cursor())
+                if cursor.done:
+                    continue
+                text, ids = c.text[cursor.text:], c.token_ids[cursor.tokens:]
+                if not (text or c.finish_reason or (ids and c.logprobs is not None)):
+                    continue
+                delta = {"content": text} if text or not c.finish_reason else {}
+                choice = {
+                    "index": c.index, "delta": delta,
+                    "logprobs": None if c.logprobs is None else chat_logprobs(
+                        ids, c.logprobs[cursor.tokens:], token_text, body.top_logprobs or 0),
+                    **finish_fields(c)}
+                cursor.text, cursor.tokens = len(c.text), len(c.token_ids)
+                cursor.done = c.finish_reason is not None
+                yield chunk(choice)
+        if body.include_usage:
+            output = generation.latest[0]
+            yield {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                   "model": model, "choices": [],
+                   "usage": usage(len(output.prompt_token_ids),
+                                  sum(len(c.token_ids) for c in output.outputs))}
+    finally:
+        await generation.aclose()

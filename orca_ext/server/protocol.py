@@ -1,0 +1,320 @@
+"""OpenAI-compatible request models (pydantic, strict types), errors, and response builders.
+
+Requests are validated in two steps: pydantic checks the JSON types (strict: ``"5"`` is not an
+integer), then ``SamplingParams`` checks the ranges. Every failure is an ``APIError`` whose body
+is OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
+"""
+from __future__ import annotations
+
+import re
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..outputs import CompletionOutput, RequestOutput
+from ..sampling_params import SamplingParams
+
+# OpenAI's default for /v1/completions; chat defaults to the rest of the context.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+MAX_N = 128  # samples per prompt
+MAX_PROMPTS = 256  # prompts in one /v1/completions request
+
+
+class APIError(Exception):
+    """An error answered with ``status`` and an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, *, type: str | None = None,
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _ERROR_TYPES.get(status, "server_error")
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    @classmethod
+    def bad_request(cls, message: str, param: str | None = None,
+                    code: str | None = None) -> APIError:
+        return cls(400, message, param=param, code=code)
+
+    @classmethod
+    def from_value_error(cls, exc: Exception) -> APIError:
+        """A ValueError of the engine or of SamplingParams ("field: ..." or
+        "SamplingParams.field must be ...") as a 400 naming the field."""
+        message = str(exc)
+        match = (re.match(r"SamplingParams\.(\w+)", message)
+                 or re.match(r"(\w+): ", message))
+        return cls.bad_request(message, match.group(1) if match else None)
+
+    @classmethod
+    def from_validation_error(cls, exc: ValidationError) -> APIError:
+        error = exc.errors()[0]
+        loc = [str(part) for part in error["loc"]]
+        param = loc[0] if loc else None
+        if error["type"] == "missing":
+            message = f"{'.'.join(loc)}: this field is required"
+        elif error["type"] == "extra_forbidden":
+            message = f"{'.'.join(loc)}: unknown field"
+        else:
+            where = ".".join(p for p in loc if not _is_union_tag(p))
+            message = f"{where}: {error['msg']}, got {_short(error.get('input'))}"
+        return cls.bad_request(message, param, code="invalid_type"
+                               if error["type"].endswith("_type") else None)
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                404: "not_found_error", 405: "invalid_request_error",
+                413: "invalid_request_error", 429: "rate_limit_error",
+                503: "service_unavailable_error"}
+
+
+def _is_union_tag(part: str) -> bool:
+    return part in {"str", "int", "float", "bool"} or "[" in part or part.startswith("function-")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _Request(BaseModel):
+    # Strict JSON types; fields the server does not know (user, metadata, ...) are ignored.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """The sampling fields shared by completions and chat (vLLM's extensions included)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def check_unsupported(self) -> None:
+        if self.logit_bias:
+            raise APIError.bad_request("logit_bias is not supported", "logit_bias",
+                                       "unsupported_parameter")
+        if not 1 <= self.n <= MAX_N:
+            raise APIError.bad_request(f"n must be in [1, {MAX_N}], got {self.n}", "n")
+        if self.stream_options is not None and not self.stream:
+            raise APIError.bad_request("stream_options is only allowed with stream=true",
+                                       "stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        try:
+            return SamplingParams(
+                n=self.n, max_tokens=max_tokens, temperature=pick(self.temperature, 1.0),
+                top_p=pick(self.top_p, 1.0), top_k=pick(self.top_k, 0),
+                min_p=pick(self.min_p, 0.0),
+                repetition_penalty=pick(self.repetition_penalty, 1.0),
+                presence_penalty=pick(self.presence_penalty, 0.0),
+                frequency_penalty=pick(self.frequency_penalty, 0.0), seed=self.seed,
+                stop=pick(self.stop, []), stop_token_ids=pick(self.stop_token_ids, []),
+                ignore_eos=self.ignore_eos, logprobs=logprobs)
+        except ValueError as exc:
+            raise APIError.from_value_error(exc) from None
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.suffix:
+            raise APIError.bad_request("suffix is not supported", "suffix",
+                                       "unsupported_parameter")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError.bad_request("best_of other than n is not supported", "best_of",
+                                       "unsupported_parameter")
+        if self.echo and self.logprobs is not None:
+            raise APIError.bad_request("echo with logprobs (prompt logprobs) is not supported",
+                                       "echo", "unsupported_parameter")
+
+    def prompts(self) -> list[str | list[int]]:
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            prompts: list[str | list[int]] = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [prompt]  # one prompt of token ids
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise APIError.bad_request("prompt must not be empty", "prompt")
+        if len(prompts) > MAX_PROMPTS:
+            raise APIError.bad_request(f"at most {MAX_PROMPTS} prompts per request, got "
+                                       f"{len(prompts)}", "prompt")
+        return prompts
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.tools:
+            raise APIError.bad_request("tools are not supported", "tools",
+                                       "unsupported_parameter")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise APIError.bad_request("tool_choice is not supported", "tool_choice",
+                                       "unsupported_parameter")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise APIError.bad_request("only response_format {\"type\": \"text\"} is supported",
+                                       "response_format", "unsupported_parameter")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError.bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return 0 if self.top_logprobs is None else self.top_logprobs
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses (plain dicts: they go straight to JSON)
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def usage_of(outputs: list[RequestOutput]) -> dict[str, int]:
+    return usage(sum(len(o.prompt_token_ids) for o in outputs),
+                 sum(len(c.token_ids) for o in outputs for c in o.outputs))
+
+
+class TokenText:
+    """Token id -> text of that token alone (for logprobs), cached."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            if self._tokenizer is None:
+                text = f"<{token_id}>"
+            else:
+                try:
+                    text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+                except TypeError:
+                    text = self._tokenizer.decode([token_id])
+            if len(self._cache) < 1 << 16:
+                self._cache[token_id] = text
+        return text
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]],
+                        token_text: TokenText, text_offset: int) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object for ``token_ids``."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for token_id, entry in zip(token_ids, logprobs):
+        text = token_text(token_id)
+        tokens.append(text)
+        token_logprobs.append(entry.get(token_id))
+        top.append({token_text(t): lp for t, lp in entry.items()})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]],
+                  token_text: TokenText, num_top: int) -> dict[str, Any]:
+    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    content = []
+    for token_id, entry in zip(token_ids, logprobs):
+        text = token_text(token_id)
+        top = sorted(((t, lp) for t, lp in entry.items()), key=lambda x: -x[1])[:num_top]
+        content.append({
+            "token": text, "logprob": entry.get(token_id), "bytes": list(text.encode()),
+            "top_logprobs": [{"token": token_text(t), "logprob": lp,
+                              "bytes": list(token_text(t).encode())} for t, lp in top]})
+    return {"content": content}
+
+
+def finish_fields(output: CompletionOutput) -> dict[str, Any]:
+    return {"finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
+
+
+def completion_response(request_id: str, model: str, created: int,
+                        choices: list[dict[str, Any]], usage_: dict[str, int]) -> dict[str, Any]:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_}
+
+
+def chat_response(request_id: str, model: str, created: int, choices: list[dict[str, Any]],
+                  usage_: dict[str, int]) -> dict[str, Any]:
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_}
+
+
+def now() -> int:
+    return int(time.time())

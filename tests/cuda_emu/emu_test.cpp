@@ -1,0 +1,390 @@
+// Executes the orca CUDA kernels (csrc/include/orca/cuda/*.cuh) on the CPU through the SIMT
+// emulation in orca_cuda_emulate.h and compares them with double-precision references.
+// Built and run by tests/test_cuda_emu.py; exits non-zero on a mismatch.
+//   emu_test [attention|store_kv|linear|all]
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "orca/cuda/attention.cuh"
+#include "orca/cuda/linear.cuh"
+#include "orca/cuda/store_kv.cuh"
+
+using namespace orca::cuda;
+
+namespace {
+
+int g_failures = 0;
+std::mt19937 g_rng(1234);
+
+float uniform(float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(g_rng); }
+int randint(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(g_rng); }
+
+template <typename T> T cast(float v);
+template <> float cast<float>(float v) { return v; }
+template <> __half cast<__half>(float v) { return __float2half_rn(v); }
+template <> __nv_bfloat16 cast<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+float back(float v) { return v; }
+float back(__half v) { return __half2float(v); }
+float back(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> DType dtype_of();
+template <> DType dtype_of<float>() { return DType::kFloat32; }
+template <> DType dtype_of<__half>() { return DType::kFloat16; }
+template <> DType dtype_of<__nv_bfloat16>() { return DType::kBFloat16; }
+template <typename T> const char* name_of();
+template <> const char* name_of<float>() { return "fp32"; }
+template <> const char* name_of<__half>() { return "fp16"; }
+template <> const char* name_of<__nv_bfloat16>() { return "bf16"; }
+
+template <typename T> float tolerance();
+template <> float tolerance<float>() { return 2e-5f; }
+template <> float tolerance<__half>() { return 4e-3f; }
+template <> float tolerance<__nv_bfloat16>() { return 2.5e-2f; }
+
+void report(const std::string& what, double err, double tol, bool extra_ok = true) {
+  const bool ok = err <= tol && extra_ok;
+  std::printf("%s %-70s max_err=%.3g tol=%.3g\n", ok ? "PASS" : "FAIL", what.c_str(), err, tol);
+  if (!ok) ++g_failures;
+}
+
+// ---- ragged_attention ----------------------------------------------------------------------
+
+struct AttnCase {
+  int Hq, Hkv, D, block_size, extra_blocks;
+  std::vector<int> q_lens, ctx;
+  int num_sms;
+  bool bad_block = false;  // put an out-of-range id in a used block_table entry
+};
+
+template <typename T, int D>
+void run_tc(const AttentionParams& p, const AttentionPlan& plan) {
+  const dim3 grid(static_cast<unsigned>(plan.grid_x), static_cast<unsigned>(p.num_kv_heads));
+  if (plan.warps_m == 1) {
+    orca_emu::launch(grid, dim3(kAttnThreads), plan.smem_bytes,
+                     [&] { attn::attention_tc_kernel<T, D, 1>(p); });
+  } else {
+    orca_emu::launch(grid, dim3(kAttnThreads), plan.smem_bytes,
+                     [&] { attn::attention_tc_kernel<T, D, 4>(p); });
+  }
+  if (plan.max_splits > 1) {
+    const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_q_heads;
+    orca_emu::launch(dim3(static_cast<unsigned>((rows + 3) / 4)), dim3(128), 0,
+                     [&] { attn::merge_kernel<T>(p); });
+  }
+}
+
+template <typename T>
+void run_attention(const AttentionParams& p, const AttentionPlan& plan) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (plan.tensor_cores) {
+      switch (p.head_dim) {
+        case 32: return run_tc<T, 32>(p, plan);
+        case 64: return run_tc<T, 64>(p, plan);
+        case 80: return run_tc<T, 80>(p, plan);
+        case 96: return run_tc<T, 96>(p, plan);
+        case 128: return run_tc<T, 128>(p, plan);
+        default: break;
+      }
+    }
+  }
+  const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_q_heads;
+  orca_emu::launch(dim3(static_cast<unsigned>((rows + 3) / 4)), dim3(128), 0,
+                   [&] { attn::attention_simple_kernel<T>(p); });
+}
+
+template <typename T>
+void test_attention(const AttnCase& c, const std::string& label) {
+  const int B = static_cast<int>(c.q_lens.size());
+  const int Hq = c.Hq, Hkv = c.Hkv, D = c.D, bs = c.block_size, g = Hq / Hkv;
+  std::vector<int> cu(B + 1, 0);
+  for (int r = 0; r < B; ++r) cu[r + 1] = cu[r] + c.q_lens[r];
+  const int T_ = cu[B];
+  int max_blocks = 1, total_blocks = 0;
+  for (int r = 0; r < B; ++r) {
+    const int nb = (c.ctx[r] + bs - 1) / bs;
+    max_blocks = std::max(max_blocks, nb);
+    total_blocks += nb;
+  }
+  const int NB = total_blocks + c.extra_blocks;
+  // Physical blocks: a random permutation handed out in order.
+  std::vector<int> perm(NB);
+  for (int i = 0; i < NB; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), g_rng);
+  std::vector<int32_t> table(static_cast<size_t>(B) * max_blocks, -7);  // unused: junk ids
+  int next = 0;
+  for (int r = 0; r < B; ++r) {
+    const int nb = (c.ctx[r] + bs - 1) / bs;
+    for (int j = 0; j < nb; ++j) table[r * max_blocks + j] = perm[next++];
+  }
+  int bad_r = -1, bad_j = -1;
+  if (c.bad_block) {
+    bad_r = B - 1;
+    bad_j = 0;
+    table[bad_r * max_blocks + bad_j] = NB + 1000;
+  }
+  // q is a strided view: rows of [Hq + 2 Hkv] heads (like a fused QKV projection).
+  const int q_heads_stride = Hq + 2 * Hkv;
+  std::vector<T> qbuf(static_cast<size_t>(T_) * q_heads_stride * D);
+  for (auto& v : qbuf) v = cast<T>(uniform(-1.f, 1.f));
+  std::vector<T> kc(static_cast<size_t>(NB) * bs * Hkv * D), vc(kc.size());
+  for (auto& v : kc) v = cast<T>(uniform(-1.f, 1.f));
+  for (auto& v : vc) v = cast<T>(uniform(-1.f, 1.f));
+  const float scale = 1.f / std::sqrt(static_cast<float>(D)) * 2.f;  // peakier softmax
+
+  const bool tc_dtype = !std::is_same_v<T, float>;
+  AttentionPlan plan = plan_attention(T_, B, Hq, Hkv, D, bs, max_blocks, dtype_of<T>(),
+                                      /*aligned16=*/true, c.num_sms);
+  std::vector<T> out(static_cast<size_t>(T_) * Hq * D, cast<T>(NAN));
+  std::vector<float> part_o(static_cast<size_t>(plan.partial_rows) * D, NAN),
+      part_lse(plan.partial_rows, NAN);
+  AttentionParams p{};
+  p.q = qbuf.data();
+  p.q_stride_token = static_cast<int64_t>(q_heads_stride) * D;
+  p.q_stride_head = D;
+  p.k_cache = kc.data();
+  p.v_cache = vc.data();
+  p.out = out.data();
+  p.part_o = part_o.data();
+  p.part_lse = part_lse.data();
+  p.cu_q_lens = cu.data();
+  p.context_lens = c.ctx.data();
+  p.block_table = table.data();
+  p.num_blocks = NB;
+  p.num_tokens = T_;
+  p.batch = B;
+  p.num_q_heads = Hq;
+  p.num_kv_heads = Hkv;
+  p.head_dim = D;
+  p.block_size = bs;
+  p.max_blocks = max_blocks;
+  p.max_context = attention_max_context(bs, max_blocks);
+  p.kv_chunk = plan.kv_chunk;
+  p.max_splits = plan.max_splits;
+  p.scale_log2 = scale * 1.4426950408889634f;
+  run_attention<T>(p, plan);
+
+  // Reference (double), skipping positions of the bad block (they must not crash; their value
+  // is unspecified, so requests touching it are not compared).
+  double max_err = 0;
+  bool finite = true;
+  for (int r = 0; r < B; ++r) {
+    if (r == bad_r) continue;
+    for (int i = 0; i < c.q_lens[r]; ++i) {
+      const int t = cu[r] + i, pos = c.ctx[r] - c.q_lens[r] + i;
+      for (int hq = 0; hq < Hq; ++hq) {
+        const int h = hq / g;
+        const T* qrow = qbuf.data() + (static_cast<size_t>(t) * q_heads_stride + hq) * D;
+        std::vector<double> s(pos + 1);
+        double mx = -1e300;
+        for (int j = 0; j <= pos; ++j) {
+          const int blk = table[r * max_blocks + j / bs];
+          const T* krow = kc.data() + ((static_cast<size_t>(blk) * bs + j % bs) * Hkv + h) * D;
+          double dot = 0;
+          for (int d = 0; d < D; ++d) dot += static_cast<double>(back(qrow[d])) * back(krow[d]);
+          s[j] = dot * scale;
+          mx = std::max(mx, s[j]);
+        }
+        double l = 0;
+        for (int j = 0; j <= pos; ++j) l += (s[j] = std::exp(s[j] - mx));
+        for (int d = 0; d < D; ++d) {
+          double o = 0;
+          for (int j = 0; j <= pos; ++j) {
+            const int blk = table[r * max_blocks + j / bs];
+            o += s[j] * back(vc[((static_cast<size_t>(blk) * bs + j % bs) * Hkv + h) * D + d]);
+          }
+          const float got = back(out[(static_cast<size_t>(t) * Hq + hq) * D + d]);
+          if (!std::isfinite(got)) finite = false;
+          max_err = std::max(max_err, std::abs(got - o / l));
+        }
+      }
+    }
+  }
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "attention %s %s D=%d Hq=%d Hkv=%d bs=%d B=%d T=%d %s%s splits=%d",
+                name_of<T>(), label.c_str(), D, Hq, Hkv, bs, B, T_,
+                plan.tensor_cores ? (plan.warps_m == 1 ? "tc-decode" : "tc-prefill") : "simple",
+                tc_dtype && !plan.tensor_cores ? "(!)" : "", plan.max_splits);
+  report(buf, finite ? max_err : INFINITY, tolerance<T>());
+}
+
+template <typename T>
+void attention_suite() {
+  // Mixed prefill + decode, GQA, odd block size, no split (many SMs' worth of tiles).
+  test_attention<T>({8, 2, 64, 3, 2, {37, 1, 1, 70, 1}, {37, 90, 5, 200, 260}, 1}, "mixed");
+  // Decode batch, long contexts: split KV + merge.
+  test_attention<T>({4, 1, 128, 16, 0, {1, 1, 1}, {700, 1300, 40}, 132}, "decode-split");
+  // Prefill with KV already cached (chunked prefill) split over KV, block_size 1.
+  test_attention<T>({2, 2, 96, 1, 5, {20, 3}, {600, 530}, 132}, "prefill-split bs=1");
+  // Head dims 32 and 80, MQA group of 8, mixed.
+  test_attention<T>({8, 1, 32, 16, 1, {5, 1, 17}, {300, 77, 17}, 132}, "mqa");
+  test_attention<T>({4, 2, 80, 8, 0, {1, 1, 1, 1}, {64, 65, 129, 1}, 132}, "decode-edges");
+  test_attention<T>({2, 1, 64, 4, 0, {40, 1}, {40, 513}, 132}, "prefill+decode split");
+  // Out-of-range block id: must not crash or touch other requests.
+  test_attention<T>({4, 2, 64, 16, 0, {3, 1}, {40, 300}, 132, true}, "bad block id");
+}
+
+// ---- store_kv ----------------------------------------------------------------------------------
+
+template <typename T>
+void test_store_kv() {
+  const int Tn = 9, H = 3, D = 40, slots = 32;
+  const int stride_t = (H + 2) * D;  // key/value are views into a wider buffer
+  std::vector<T> key(static_cast<size_t>(Tn) * stride_t), value(key.size());
+  for (auto& v : key) v = cast<T>(uniform(-1, 1));
+  for (auto& v : value) v = cast<T>(uniform(-1, 1));
+  std::vector<T> kc(static_cast<size_t>(slots) * H * D, cast<T>(0.5f)), vc(kc.size(), cast<T>(0.5f));
+  std::vector<int64_t> slot = {3, -1, 31, 0, 1000, 7, -5, 12, 2};
+  StoreKvParams p{};
+  p.key = key.data();
+  p.value = value.data() + D;  // offset view: alignment 2*D bytes
+  p.k_cache = kc.data();
+  p.v_cache = vc.data();
+  p.slot_mapping = slot.data();
+  p.num_tokens = Tn;
+  p.num_slots = slots;
+  p.num_heads = H;
+  p.row_bytes = D * sizeof(T);
+  p.key_stride_token = p.value_stride_token = stride_t * sizeof(T);
+  p.key_stride_head = p.value_stride_head = D * sizeof(T);
+  orca_emu::launch(dim3(Tn), dim3(64), 0, [&] { kvstore::store_kv_kernel<4>(p); });
+  double err = 0;
+  for (int s = 0; s < slots; ++s) {
+    int src = -1;
+    for (int t = 0; t < Tn; ++t)
+      if (slot[t] == s) src = t;
+    for (int h = 0; h < H; ++h)
+      for (int d = 0; d < D; ++d) {
+        const float ek = src < 0 ? 0.5f : back(key[src * stride_t + h * D + d]);
+        const float ev = src < 0 ? 0.5f : back(value[src * stride_t + D + h * D + d]);
+        err = std::max<double>(err, std::abs(back(kc[(s * H + h) * D + d]) - ek));
+        err = std::max<double>(err, std::abs(back(vc[(s * H + h) * D + d]) - ev));
+      }
+  }
+  report(std::string("store_kv ") + name_of<T>(), err, 0);
+}
+
+// ---- packed_linear kernels -----------------------------------------------------------------------
+
+double act_ref(double x, Act a) {
+  switch (a) {
+    case Act::kGeluTanh: return 0.5 * x * (1 + std::tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
+    case Act::kRelu: return x > 0 ? x : 0;
+    default: return x;
+  }
+}
+double silu_ref(double x) { return x / (1 + std::exp(-x)); }
+
+template <typename T>
+void test_linear(int Tn, int N, int K, Act act, bool bias_on) {
+  const bool glu = act == Act::kSiluAndMul;
+  const int Nw = glu ? 2 * N : N;
+  const int ldx = K + 16 / static_cast<int>(sizeof(T));  // padded rows
+  std::vector<T> x(static_cast<size_t>(Tn) * ldx), w(static_cast<size_t>(Nw) * K), b(Nw);
+  for (auto& v : x) v = cast<T>(uniform(-1, 1));
+  for (auto& v : w) v = cast<T>(uniform(-0.2f, 0.2f));
+  for (auto& v : b) v = cast<T>(uniform(-1, 1));
+  std::vector<T> out(static_cast<size_t>(Tn) * N, cast<T>(NAN));
+  SkinnyLinearParams p{};
+  p.x = x.data();
+  p.weight = w.data();
+  p.bias = bias_on ? b.data() : nullptr;
+  p.out = out.data();
+  p.T = Tn;
+  p.N = N;
+  p.K = K;
+  p.x_stride = ldx;
+  p.w_stride = K;
+  p.act = act;
+  const int cols = glu ? linear::kSkinnyRows / 2 : linear::kSkinnyRows;
+  const dim3 grid((N + cols - 1) / cols);
+  auto launch = [&](auto tt) {
+    constexpr int TT = decltype(tt)::value;
+    orca_emu::launch(grid, dim3(linear::kSkinnyThreads), 0,
+                     [&] { linear::skinny_linear_kernel<T, TT>(p); });
+  };
+  if (Tn <= 1) launch(std::integral_constant<int, 1>{});
+  else if (Tn <= 2) launch(std::integral_constant<int, 2>{});
+  else if (Tn <= 4) launch(std::integral_constant<int, 4>{});
+  else launch(std::integral_constant<int, 8>{});
+  auto dot = [&](int t, int row) {
+    double s = bias_on ? back(b[row]) : 0.0;
+    for (int k = 0; k < K; ++k) s += static_cast<double>(back(x[t * ldx + k])) * back(w[static_cast<size_t>(row) * K + k]);
+    return s;
+  };
+  double err = 0;
+  for (int t = 0; t < Tn; ++t)
+    for (int n = 0; n < N; ++n) {
+      const double ref = glu ? silu_ref(dot(t, n)) * dot(t, N + n) : act_ref(dot(t, n), act);
+      const double got = back(out[t * N + n]);
+      err = std::max(err, std::isfinite(got) ? std::abs(got - ref) / (1 + std::abs(ref)) : INFINITY);
+    }
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "skinny_linear %s T=%d N=%d K=%d act=%d bias=%d", name_of<T>(), Tn,
+                N, K, static_cast<int>(act), bias_on);
+  report(buf, err, std::is_same_v<T, float> ? 1e-5 : 1e-2);
+}
+
+template <typename T>
+void test_epilogues() {
+  const int Tn = 5, I = 24;
+  std::vector<T> y(Tn * 2 * I), out(Tn * I, cast<T>(NAN)), bias(2 * I);
+  for (auto& v : y) v = cast<T>(uniform(-3, 3));
+  for (auto& v : bias) v = cast<T>(uniform(-1, 1));
+  constexpr int kVec = 16 / sizeof(T);
+  orca_emu::launch(dim3(2), dim3(32), 0,
+                   [&] { linear::silu_and_mul_kernel<T, kVec>(y.data(), out.data(), Tn, I); });
+  double err = 0;
+  for (int t = 0; t < Tn; ++t)
+    for (int i = 0; i < I; ++i) {
+      const double ref = silu_ref(back(y[t * 2 * I + i])) * back(y[t * 2 * I + I + i]);
+      err = std::max(err, std::abs(back(out[t * I + i]) - ref) / (1 + std::abs(ref)));
+    }
+  report(std::string("silu_and_mul ") + name_of<T>(), err, std::is_same_v<T, float> ? 1e-5 : 1e-2);
+  std::vector<T> z = y;
+  orca_emu::launch(dim3(3), dim3(32), 0, [&] {
+    linear::bias_act_kernel<T>(z.data(), bias.data(), Tn, 2 * I, Act::kGeluTanh);
+  });
+  err = 0;
+  for (int t = 0; t < Tn; ++t)
+    for (int n = 0; n < 2 * I; ++n) {
+      const double ref = act_ref(static_cast<double>(back(y[t * 2 * I + n])) + back(bias[n]), Act::kGeluTanh);
+      err = std::max(err, std::abs(back(z[t * 2 * I + n]) - ref) / (1 + std::abs(ref)));
+    }
+  report(std::string("bias_act(gelu) ") + name_of<T>(), err, std::is_same_v<T, float> ? 1e-5 : 1e-2);
+}
+
+template <typename T>
+void linear_suite() {
+  for (Act a : {Act::kNone, Act::kGeluTanh, Act::kRelu, Act::kSiluAndMul}) {
+    test_linear<T>(1, 9, 64, a, true);
+    test_linear<T>(5, 6, 136, a, a != Act::kRelu);
+  }
+  test_linear<T>(8, 7, 512, Act::kSiluAndMul, false);
+  test_epilogues<T>();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string which = argc > 1 ? argv[1] : "all";
+  if (which == "attention" || which == "all") {
+    attention_suite<__nv_bfloat16>();
+    attention_suite<__half>();
+    test_attention<float>({4, 2, 48, 5, 0, {6, 1}, {30, 70}, 132}, "fp32 simple");
+    test_attention<__nv_bfloat16>({2, 1, 40, 4, 0, {3, 1}, {20, 50}, 132}, "odd D -> simple");
+  }
+  if (which == "store_kv" || which == "all") {
+    test_store_kv<__nv_bfloat16>();
+    test_store_kv<float>();
+  }
+  if (which == "linear" || which == "all") {
+    linear_suite<__nv_bfloat16>();
+    linear_suite<__half>();
+    linear_suite<float>();
+  }
+  std::printf("%s: %d failure(s)\n", g_failures ? "FAILED" : "OK", g_failures);
+  return g_failures ? 1 : 0;
+}

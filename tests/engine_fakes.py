@@ -1,0 +1,216 @@
+"""Test doubles for the scheduler and engine: a pure-Python SlotAllocator, a model-free runner
+that really stores and reads back KV, tokenizers, and the reference generation they imply."""
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import pytest
+import torch
+
+from orca_ext.batch import RunnerOutput, SchedulerOutput, TokenLogprobs
+
+
+class KVCacheFullError(RuntimeError):
+    pass
+
+
+class UnknownRequestError(KeyError):
+    pass
+
+
+class FakeSlotAllocator:
+    """Same interface and semantics as ``orca_ext.kv.SlotAllocator`` (docs/internals.md)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self._num_blocks, self._block_size = num_blocks, block_size
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._blocks: dict[int, list[int]] = {}
+
+    num_blocks = property(lambda self: self._num_blocks)
+    block_size = property(lambda self: self._block_size)
+    num_free_blocks = property(lambda self: len(self._free))
+    num_used_blocks = property(lambda self: self._num_blocks - len(self._free))
+    num_requests = property(lambda self: len(self._blocks))
+
+    def _need(self, num_tokens: int) -> int:
+        return -(-num_tokens // self._block_size)
+
+    def _get(self, request_id: int) -> list[int]:
+        if request_id not in self._blocks:
+            raise UnknownRequestError(request_id)
+        return self._blocks[request_id]
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self._need(num_tokens) <= len(self._free)
+
+    def allocate(self, request_id: int, num_tokens: int) -> None:
+        if request_id in self._blocks:
+            raise ValueError(f"request {request_id} already holds blocks")
+        if not self.can_allocate(num_tokens):
+            raise KVCacheFullError(num_tokens)
+        self._blocks[request_id] = [self._free.pop() for _ in range(self._need(num_tokens))]
+
+    def extend(self, request_id: int, total_tokens: int) -> None:
+        blocks = self._get(request_id)
+        more = self._need(total_tokens) - len(blocks)
+        if more > len(self._free):
+            raise KVCacheFullError(total_tokens)
+        blocks.extend(self._free.pop() for _ in range(max(0, more)))
+
+    def free(self, request_id: int) -> None:
+        self._free.extend(self._get(request_id))
+        del self._blocks[request_id]
+
+    def capacity(self, request_id: int) -> int:
+        return len(self._get(request_id)) * self._block_size
+
+    def blocks(self, request_id: int) -> list[int]:
+        return list(self._get(request_id))
+
+    def __contains__(self, request_id: int) -> bool:
+        return request_id in self._blocks
+
+    def build_metadata(self, request_ids, num_computed, num_new):
+        bs = self._block_size
+        tables = [self._get(r) for r in request_ids]
+        context = [c + n for c, n in zip(num_computed, num_new)]
+        for r, table, ctx in zip(request_ids, tables, context):
+            if ctx > len(table) * bs:
+                raise ValueError(f"request {r}: {ctx} tokens do not fit its blocks")
+        width = max((len(t) for t in tables), default=0)
+        block_table = torch.zeros(len(tables), width, dtype=torch.int32)
+        for row, table in enumerate(tables):
+            block_table[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        positions = [p for c, n in zip(num_computed, num_new) for p in range(c, c + n)]
+        slots = [tables[row][p // bs] * bs + p % bs
+                 for row, (c, n) in enumerate(zip(num_computed, num_new)) for p in range(c, c + n)]
+        cu = [0]
+        for n in num_new:
+            cu.append(cu[-1] + n)
+        return (torch.tensor(cu, dtype=torch.int32), torch.tensor(context, dtype=torch.int32),
+                block_table, torch.tensor(slots, dtype=torch.int64),
+                torch.tensor(positions, dtype=torch.int64))
+
+
+def _real_allocator():
+    kv = pytest.importorskip("orca_ext.kv", reason="C++ SlotAllocator not built")
+    return kv.SlotAllocator
+
+
+# Parametrize a test with ``allocator_cls`` over these: the fake, and the real one when built.
+ALLOCATORS = [pytest.param(lambda: FakeSlotAllocator, id="fake"),
+              pytest.param(_real_allocator, id="real")]
+
+
+def next_token(context: list[int], vocab: int, seed: int = 0) -> int:
+    """The fake model: a deterministic function of the whole context (never degenerate)."""
+    return (sum(context) + 7 * len(context) + seed) % vocab
+
+
+def reference(prompt: list[int], max_tokens: int, vocab: int, stop_ids=(), seed: int = 0,
+              max_model_len: int | None = None) -> list[int]:
+    """What greedy generation must produce whatever the batching."""
+    context, out = list(prompt), []
+    limit = max_tokens if max_model_len is None else min(max_tokens,
+                                                         max(1, max_model_len - len(prompt)))
+    while len(out) < limit:
+        token = next_token(context, vocab, seed)
+        out.append(token)
+        context.append(token)
+        if token in stop_ids:
+            break
+    return out
+
+
+class KVFakeRunner:
+    """An executor that stores each token in its KV slot and computes the next token from the
+    context it reads back through the block table: wrong block tables, positions or recompute
+    after preemption give wrong tokens (and a clear assertion)."""
+
+    def __init__(self, allocator, vocab: int = 95) -> None:
+        self.allocator = allocator
+        self.vocab = vocab
+        self.kv: dict[int, int] = {}
+        self.batches: list[SchedulerOutput] = []
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self.batches.append(out)
+        reqs = out.requests
+        ids = [r.request_id for r in reqs]
+        cu, ctx, table, slots, positions = self.allocator.build_metadata(
+            ids, [r.num_computed for r in reqs], [len(r.token_ids) for r in reqs])
+        expected_pos = [r.num_computed + i for r in reqs for i in range(len(r.token_ids))]
+        assert positions.tolist() == expected_pos
+        assert cu.tolist()[-1] == len(expected_pos)
+        for token, slot in zip((t for r in reqs for t in r.token_ids), slots.tolist()):
+            self.kv[slot] = token
+        bs = self.allocator.block_size
+        sampled_ids, sampled, logprobs = [], [], []
+        for row, r in enumerate(reqs):
+            if not r.sample:
+                continue
+            n = int(ctx[row])
+            blocks = table[row].tolist()
+            context = [self.kv[blocks[p // bs] * bs + p % bs] for p in range(n)]
+            assert context == r.prompt_token_ids + r.output_token_ids, f"bad KV for {r.request_id}"
+            token = next_token(context, self.vocab, r.sampling_params.seed or 0)
+            sampled_ids.append(r.request_id)
+            sampled.append(token)
+            k = r.sampling_params.logprobs
+            logprobs.append(None if k is None else TokenLogprobs(
+                -0.25, {(token + i) % self.vocab: -0.25 * (i + 1) for i in range(k)}))
+        return RunnerOutput(out.batch_id, sampled_ids, sampled, logprobs)
+
+
+class PipelinedFakeExecutor:
+    """submit/collect over a runner: batches queue up and run, in order, when collected."""
+
+    def __init__(self, runner: KVFakeRunner) -> None:
+        self.runner = runner
+        self.queue: deque[SchedulerOutput] = deque()
+
+    def submit(self, out: SchedulerOutput) -> None:
+        self.queue.append(out)
+
+    def collect(self) -> RunnerOutput:
+        return self.runner.execute(self.queue.popleft())
+
+
+class GatedRunner(KVFakeRunner):
+    """Waits for ``gate`` before each batch (to hold a batch in flight, or to look stuck)."""
+
+    def __init__(self, allocator, vocab: int = 95) -> None:
+        super().__init__(allocator, vocab)
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self.gate.wait()
+        return super().execute(out)
+
+
+class CharTokenizer:
+    """Token t is the printable ASCII character chr(32 + t) (vocab 95)."""
+
+    vocab = 95
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - 32 for c in text]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(chr(32 + t) for t in token_ids)
+
+
+class ByteTokenizer:
+    """Token t is byte t of the UTF-8 text, so characters may span tokens."""
+
+    vocab = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, token_ids: list[int]) -> str:
+        return bytes(token_ids).decode(errors="replace")

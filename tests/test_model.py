@@ -1,0 +1,186 @@
+"""Model families, KV cache and ModelRunner against Hugging Face transformers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orca_ext.batch import ScheduledRequest, SchedulerOutput
+from orca_ext.executor import KVCache, ModelRunner, kv_bytes_per_block, num_kv_blocks
+from orca_ext.kv import SlotAllocator
+from orca_ext.model import AttentionMetadata, load_model
+from orca_ext.sampling_params import SamplingParams
+from tiny_models import SPECS, VOCAB, make_hf_model, save_hf_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+@pytest.fixture(scope="module", params=list(SPECS))
+def hf_model(request, tmp_path_factory):
+    """(transformers model, its saved folder) for each tiny model family variant."""
+    model = make_hf_model(request.param)
+    return model, save_hf_model(model, tmp_path_factory.mktemp(request.param))
+
+
+def fragmented_allocator(num_blocks: int, block_size: int) -> SlotAllocator:
+    """An allocator whose free list is out of order, so block tables are not 0, 1, 2..."""
+    allocator = SlotAllocator(num_blocks, block_size)
+    for dummy in range(4):
+        allocator.allocate(1000 + dummy, block_size)
+    for dummy in (1, 3, 0, 2):
+        allocator.free(1000 + dummy)
+    return allocator
+
+
+# Each iteration: (request, new tokens) in packed order. Mixes prefills, a prefill split in two
+# chunks (request 1), and decodes, in varying orders.
+SCHEDULE = [
+    [(0, 13), (1, 3)],
+    [(0, 1), (1, 2), (2, 9)],
+    [(2, 1), (0, 1), (3, 7), (1, 1)],
+    [(3, 1), (1, 1), (2, 1)],
+]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_packed_logits_match_transformers(hf_model, block_size, device):
+    hf, folder = hf_model
+    loaded = load_model(str(folder), device=device)
+    total = {r: sum(n for step in SCHEDULE for q, n in step if q == r) for r in range(4)}
+    gen = torch.Generator().manual_seed(block_size)
+    tokens = {r: torch.randint(0, VOCAB, (n,), generator=gen) for r, n in total.items()}
+    with torch.no_grad():
+        expected = {r: hf(t[None]).logits[0] for r, t in tokens.items()}
+    blocks = sum(-(-n // block_size) for n in total.values()) + 4
+    kv_cache = KVCache(loaded.config, blocks, block_size, torch.float32, device)
+    allocator = fragmented_allocator(blocks, block_size)
+    done = dict.fromkeys(total, 0)
+    for step in SCHEDULE:
+        for r, _ in step:
+            if r not in allocator:
+                allocator.allocate(r, total[r])
+        ids = [r for r, _ in step]
+        num_new = [n for _, n in step]
+        metadata = [t.to(device) for t in allocator.build_metadata(
+            ids, [done[r] for r in ids], num_new)]
+        input_ids = torch.cat([tokens[r][done[r]:done[r] + n] for r, n in step]).to(device)
+        with torch.inference_mode():
+            hidden = loaded.model(input_ids, metadata[4], kv_cache,
+                                  AttentionMetadata(*metadata[:4]))
+            logits = loaded.model.compute_logits(
+                hidden, torch.arange(input_ids.shape[0], device=device)).cpu()
+        row = 0
+        for r, n in step:
+            torch.testing.assert_close(logits[row:row + n], expected[r][done[r]:done[r] + n],
+                                       atol=1e-4, rtol=1e-4)
+            row += n
+            done[r] += n
+
+
+PROMPT_LENS = [5, 11, 3, 17, 8, 1, 13, 6, 9]
+ARRIVALS = [0, 0, 1, 2, 2, 3, 5, 6, 9]  # iteration at which each prompt is admitted
+CHUNK = 8  # prompts longer than this are prefilled in two iterations
+
+
+def generate_with_runner(runner: ModelRunner, prompts: list[list[int]], arrivals: list[int],
+                         max_new: int) -> list[list[int]]:
+    """A scripted stand-in for the scheduler: admit prompts at their iterations, chunk long
+    prefills, decode, free finished requests."""
+    outputs: list[list[int]] = [[] for _ in prompts]
+    computed = [0] * len(prompts)
+    running: list[int] = []
+    finished: list[int] = []
+    iteration = 0
+    while iteration <= max(arrivals) or running:
+        for r, arrival in enumerate(arrivals):
+            if arrival == iteration:
+                runner.allocator.allocate(r, len(prompts[r]) + max_new)
+                running.append(r)
+        scheduled = []
+        for r in running:
+            prompt = prompts[r]
+            if computed[r] < len(prompt):
+                tokens = prompt[computed[r]:][:CHUNK] if computed[r] == 0 else prompt[computed[r]:]
+            else:
+                tokens = outputs[r][-1:]
+            scheduled.append(ScheduledRequest(
+                r, tokens, computed[r], GREEDY, prompt, outputs[r],
+                sample=computed[r] + len(tokens) >= len(prompt)))
+        result = runner.execute(SchedulerOutput(iteration, scheduled, finished))
+        finished = []
+        for request in scheduled:
+            computed[request.request_id] += len(request.token_ids)
+        assert result.request_ids == [s.request_id for s in scheduled if s.sample]
+        for r, token in zip(result.request_ids, result.sampled_token_ids):
+            outputs[r].append(token)
+            if len(outputs[r]) == max_new:
+                running.remove(r)
+                runner.allocator.free(r)
+                finished.append(r)
+        iteration += 1
+    return outputs
+
+
+def test_greedy_generation_matches_transformers(hf_model, device):
+    hf, folder = hf_model
+    loaded = load_model(str(folder), device=device)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    block_size = 4
+    blocks = num_kv_blocks(loaded.config, block_size, torch.float32,
+                           kv_cache_tokens=sum(PROMPT_LENS) + 8 * len(PROMPT_LENS))
+    runner = ModelRunner(loaded.model, KVCache(loaded.config, blocks, block_size, torch.float32,
+                                               device),
+                         fragmented_allocator(blocks, block_size))
+    outputs = generate_with_runner(runner, prompts, ARRIVALS, max_new=8)
+    for prompt, output in zip(prompts, outputs):
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8,
+                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert output == expected[0, len(prompt):].tolist()
+
+
+def test_runner_skips_unsampled_and_empty_batches():
+    loaded = load_model("orca-tiny")
+    runner = ModelRunner(loaded.model, KVCache(loaded.config, 8, 4, torch.float32),
+                         SlotAllocator(8, 4))
+    empty = runner.execute(SchedulerOutput(0, []))
+    assert (empty.request_ids, empty.sampled_token_ids, empty.logprobs) == ([], [], [])
+    prompt = loaded.tokenizer.encode("hello world")
+    runner.allocator.allocate(5, len(prompt) + 1)
+    runner.allocator.allocate(6, len(prompt) + 1)
+    params = SamplingParams(temperature=0.0, logprobs=2)
+    out = runner.execute(SchedulerOutput(1, [
+        ScheduledRequest(5, prompt[:4], 0, params, prompt, [], sample=False),
+        ScheduledRequest(6, prompt, 0, params, prompt, []),
+    ]))
+    assert out.request_ids == [6] and len(out.sampled_token_ids) == 1
+    assert len(out.logprobs[0].top) == 2
+    assert out.logprobs[0].logprob == max(out.logprobs[0].top.values())
+
+
+def test_runner_rejects_mismatched_allocator():
+    loaded = load_model("orca-tiny")
+    with pytest.raises(ValueError, match="allocator"):
+        ModelRunner(loaded.model, KVCache(loaded.config, 8, 4, torch.float32),
+                    SlotAllocator(8, 16))
+
+
+def test_kv_cache_layout_and_budget():
+    config = load_model("orca-tiny").config
+    cache = KVCache(config, num_blocks=6, block_size=4, dtype=torch.bfloat16)
+    assert len(cache) == config.num_layers and cache.num_tokens == 24
+    k, v = cache[3]
+    assert k.shape == v.shape == (6, 4, config.num_kv_heads, config.head_dim)
+    assert k.is_contiguous() and v.is_contiguous() and k.dtype == torch.bfloat16
+    per_block = kv_bytes_per_block(config, 4, torch.bfloat16)
+    assert per_block == 2 * config.num_layers * 4 * config.hidden_size * 2
+    assert num_kv_blocks(config, 4, torch.bfloat16, kv_cache_tokens=9) == 3
+    assert num_kv_blocks(config, 4, torch.bfloat16, kv_cache_memory=3 * per_block + 1) == 3
+    with pytest.raises(ValueError, match="exactly one"):
+        num_kv_blocks(config, 4, torch.float32)
+    with pytest.raises(ValueError, match="exactly one"):
+        num_kv_blocks(config, 4, torch.float32, kv_cache_tokens=8, kv_cache_memory=10 ** 6)
+    with pytest.raises(ValueError, match="less than one KV block"):
+        num_kv_blocks(config, 4, torch.float32, kv_cache_memory=10)
+    with pytest.raises(ValueError, match="block_size"):
+        num_kv_blocks(config, 0, torch.float32, kv_cache_tokens=8)

@@ -1,0 +1,270 @@
+"""Scheduler unit tests: a fake runner, no model."""
+from __future__ import annotations
+
+import os
+import sys
+from collections import deque
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, os.path.dirname(__file__))
+from engine_fakes import ALLOCATORS, KVFakeRunner, reference  # noqa: E402
+
+from orca_ext.request import Request  # noqa: E402
+from orca_ext.sampling_params import SamplingParams  # noqa: E402
+from orca_ext.scheduler import SchedulerConfig, make_scheduler  # noqa: E402
+
+VOCAB = 95
+
+
+class Harness:
+    """A scheduler, an allocator and a fake runner, with every invariant checked each step."""
+
+    def __init__(self, allocator_cls, policy="orca", num_blocks=64, block_size=4,
+                 max_batch_size=8, num_batches_in_flight=1, max_num_batched_tokens=None):
+        self.allocator = allocator_cls(num_blocks, block_size)
+        self.config = SchedulerConfig(policy, max_batch_size, num_batches_in_flight,
+                                      max_num_batched_tokens)
+        self.scheduler = make_scheduler(self.config, self.allocator)
+        self.runner = KVFakeRunner(self.allocator, VOCAB)
+        self.requests: list[Request] = []  # in arrival order (= id order)
+        self.iterations: dict[int, int] = {}
+        self.pending = deque()
+        self.steps = 0
+
+    def add(self, prompt_len: int, max_tokens: int) -> Request:
+        rid = len(self.requests)
+        prompt = [(rid * 13 + i) % VOCAB for i in range(prompt_len)]
+        request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0),
+                          max_tokens)
+        self.scheduler.add_request(request)
+        self.requests.append(request)
+        self.iterations[rid] = 0
+        return request
+
+    def step(self) -> list[Request]:
+        self.steps += 1
+        while len(self.pending) < self.config.num_batches_in_flight:
+            out = self.scheduler.schedule()
+            if not out.requests:
+                break
+            self._check_batch(out)
+            self.pending.append(out)
+        if not self.pending:
+            return []
+        updated = self.scheduler.update(self.runner.execute(self.pending.popleft()))
+        self._check_state()
+        return updated
+
+    def run(self, max_steps: int = 10_000) -> None:
+        while self.scheduler.requests or self.pending:
+            self.step()
+            assert self.steps < max_steps, "no progress"
+
+    def _check_batch(self, out) -> None:
+        ids = [r.request_id for r in out.requests]
+        assert 0 < len(ids) <= self.config.max_batch_size
+        assert len(set(ids)) == len(ids)
+        in_flight = {r.request_id for batch in self.pending for r in batch.requests}
+        assert not in_flight & set(ids), "a request inside an in-flight batch was selected again"
+        if self.config.max_num_batched_tokens is not None:
+            assert out.num_tokens <= self.config.max_num_batched_tokens
+        if self.config.policy == "orca":  # a prompt runs whole, in its first iteration
+            for r in out.requests:
+                assert r.num_computed > 0 or r.token_ids == r.prompt_token_ids
+        for r in out.requests:
+            self.iterations[r.request_id] += 1
+
+    def _check_state(self) -> None:
+        alloc, sched = self.allocator, self.scheduler
+        assert alloc.num_used_blocks + alloc.num_free_blocks == alloc.num_blocks
+        holders = [r for r in sched.running]
+        blocks = [b for r in holders for b in alloc.blocks(r.request_id)]
+        assert len(blocks) == len(set(blocks)), "a block is held by two requests"
+        assert all(r.request_id not in alloc for r in sched.waiting)
+        if self.config.policy in ("orca", "request"):  # n_rsrv <= n_slots, in whole blocks
+            assert sched.num_preemptions == 0
+            bs = alloc.block_size
+            n_rsrv = sum(-(-r.max_total_tokens // bs) * bs for r in holders)
+            assert n_rsrv <= alloc.num_blocks * bs
+            for r in holders:
+                assert alloc.capacity(r.request_id) >= r.max_total_tokens
+        if self.config.num_batches_in_flight == 1:  # FCFS: earlier never ran fewer iterations
+            live = [self.iterations[r.request_id] for r in self.requests if not r.finished]
+            assert all(a >= b for a, b in zip(live, live[1:])), live
+
+    def check_outputs(self) -> None:
+        for r in self.requests:
+            if r.finish_reason != "abort":
+                assert r.output_token_ids == reference(r.prompt_token_ids, r.max_new_tokens, VOCAB)
+        assert self.allocator.num_used_blocks == 0
+        assert self.allocator.num_requests == 0
+
+
+@pytest.fixture(params=ALLOCATORS)
+def allocator_cls(request):
+    return request.param()
+
+
+def first_iteration(h: Harness, rid: int) -> int:
+    return next(i for i, b in enumerate(h.runner.batches)
+                if rid in [r.request_id for r in b.requests])
+
+
+def last_iteration(h: Harness, rid: int) -> int:
+    return max(i for i, b in enumerate(h.runner.batches)
+               if rid in [r.request_id for r in b.requests])
+
+
+@pytest.mark.parametrize("limit", ["batch_size", "kv"])
+def test_late_join_early_finish(allocator_cls, limit):
+    """A needs 100 tokens, B 20, C arrives after 10 iterations: under orca C takes B's place
+    as soon as B finishes; under request-level batching it waits for A."""
+    results = {}
+    for policy in ("orca", "request"):
+        kw = (dict(max_batch_size=2, num_blocks=64) if limit == "batch_size"
+              else dict(max_batch_size=8, num_blocks=34))  # room for exactly two requests
+        h = Harness(allocator_cls, policy, block_size=4, **kw)
+        a, b = h.add(8, 100), h.add(8, 20)
+        for _ in range(10):
+            h.step()
+        c = h.add(8, 20)
+        h.run()
+        h.check_outputs()
+        results[policy] = (first_iteration(h, c.request_id), last_iteration(h, b.request_id),
+                           last_iteration(h, a.request_id))
+    c_start, b_end, a_end = results["orca"]
+    assert c_start == b_end + 1
+    c_start, b_end, a_end = results["request"]
+    assert c_start == a_end + 1
+
+
+def test_orca_reserves_at_admission_and_breaks(allocator_cls):
+    """FCFS break: a big request that does not fit blocks smaller later ones."""
+    h = Harness(allocator_cls, "orca", num_blocks=10, block_size=4, max_batch_size=8)
+    h.add(4, 20)  # 6 blocks
+    h.add(4, 20)  # 6 blocks: does not fit next to the first
+    h.add(1, 1)  # 1 block: would fit, but must not overtake
+    out = h.scheduler.schedule()
+    assert [r.request_id for r in out.requests] == [0]
+    assert h.allocator.capacity(0) >= 24 and h.allocator.num_used_blocks == 6
+    h.pending.append(out)
+    h.run()
+    h.check_outputs()
+
+
+def test_max_batch_size(allocator_cls):
+    h = Harness(allocator_cls, "orca", max_batch_size=3, num_blocks=200)
+    for i in range(10):
+        h.add(5 + i, 7)
+    h.run()
+    h.check_outputs()
+    assert max(len(b.requests) for b in h.runner.batches) == 3
+
+
+def test_paged_preempts_latest_and_recomputes(allocator_cls):
+    # 12 blocks of 4: both prompts fit (3 blocks each), their growth to 40 tokens does not.
+    h = Harness(allocator_cls, "paged", num_blocks=12, block_size=4, max_batch_size=4)
+    first, second = h.add(10, 30), h.add(10, 30)
+    h.run()
+    h.check_outputs()
+    assert h.scheduler.num_preemptions > 0
+    assert last_iteration(h, first.request_id) < last_iteration(h, second.request_id)
+    recomputed = [r for b in h.runner.batches for r in b.requests
+                  if r.request_id == second.request_id and r.num_computed == 0]
+    assert len(recomputed) >= 2 and len(recomputed[-1].token_ids) > 10
+    ended = [rid for b in h.runner.batches for rid in b.finished_request_ids]
+    assert second.request_id in ended
+
+
+def test_paged_chunked_prefill(allocator_cls):
+    h = Harness(allocator_cls, "paged", num_blocks=64, block_size=4,
+                max_num_batched_tokens=16)
+    h.add(50, 5)
+    h.add(3, 5)
+    h.run()
+    h.check_outputs()
+    chunks = [r for b in h.runner.batches for r in b.requests if r.request_id == 0]
+    assert [len(r.token_ids) for r in chunks[:4]] == [16, 16, 16, 2]
+    assert [r.sample for r in chunks[:4]] == [False, False, False, True]
+
+
+@pytest.mark.parametrize("policy", ["orca", "paged", "request"])
+def test_abort_frees_kv(allocator_cls, policy):
+    h = Harness(allocator_cls, policy)
+    h.add(10, 50)
+    h.add(10, 50)
+    h.add(10, 50)
+    for _ in range(3):
+        h.step()
+    assert h.allocator.num_used_blocks > 0
+    h.scheduler.abort(1)  # running
+    h.scheduler.abort(2)  # running or waiting
+    h.scheduler.abort(99)  # unknown: ignored
+    assert 1 not in h.allocator and 2 not in h.allocator
+    out = h.scheduler.schedule()  # the aborted ids are reported to the executor
+    assert {1, 2} <= set(out.finished_request_ids)
+    assert [r.request_id for r in out.requests] == [0]
+    h.scheduler.abort(0)  # in flight: its KV stays until the batch returns
+    assert 0 in h.allocator
+    h.scheduler.update(h.runner.execute(out))
+    assert h.allocator.num_used_blocks == 0 and not h.scheduler.requests
+    assert h.requests[0].finish_reason == "abort"
+
+
+@pytest.mark.parametrize("policy", ["orca", "paged"])
+def test_pipelined_batches(allocator_cls, policy):
+    h = Harness(allocator_cls, policy, num_batches_in_flight=2, max_batch_size=3)
+    for i in range(8):
+        h.add(3 + i, 6 + i)
+    h.run()
+    h.check_outputs()
+
+
+def test_request_that_can_never_fit(allocator_cls):
+    h = Harness(allocator_cls, "paged", num_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="max_tokens"):
+        h.add(10, 7)
+    h.add(10, 6)  # exactly the pool
+
+
+def test_config_validation():
+    for kwargs in (dict(policy="fifo"), dict(max_batch_size=0), dict(num_batches_in_flight=0),
+                   dict(policy="orca", max_num_batched_tokens=8),
+                   dict(policy="paged", max_num_batched_tokens=0)):
+        with pytest.raises(ValueError):
+            SchedulerConfig(**kwargs)
+
+
+# Random arrival and abort streams: every invariant, every step; everything freed at the end.
+events = st.lists(st.tuples(st.integers(0, 2),  # arrivals this step
+                            st.integers(1, 24),  # prompt length
+                            st.integers(1, 20),  # max tokens
+                            st.integers(0, 9)),  # 0: abort a random live request
+                  min_size=1, max_size=40)
+
+
+@pytest.mark.parametrize("policy", ["orca", "paged", "request"])
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(stream=events, block_size=st.sampled_from([1, 4, 16]), extra=st.integers(0, 48),
+       max_batch_size=st.integers(1, 6), in_flight=st.sampled_from([1, 1, 2]),
+       budget=st.sampled_from([None, 4, 16]), data=st.data())
+def test_random_streams(allocator_cls, policy, stream, block_size, extra, max_batch_size,
+                        in_flight, budget, data):
+    num_blocks = -(-44 // block_size) + extra // block_size  # every request fits alone
+    h = Harness(allocator_cls, policy, num_blocks=num_blocks, block_size=block_size,
+                max_batch_size=max_batch_size, num_batches_in_flight=in_flight,
+                max_num_batched_tokens=budget if policy == "paged" else None)
+    for arrivals, prompt_len, max_tokens, abort in stream:
+        for _ in range(arrivals):
+            h.add(prompt_len, max_tokens)
+        live = sorted(h.scheduler.requests)
+        if abort == 0 and live:
+            h.scheduler.abort(data.draw(st.sampled_from(live)))
+        h.step()
+    h.run()
+    h.check_outputs()
+    assert h.allocator.num_free_blocks == num_blocks

@@ -1,0 +1,54 @@
+"""Tiny random Hugging Face models saved as model folders, for the model and loader tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+from orca_ext.model import byte_level_tokenizer
+
+VOCAB = 300  # the byte tokenizer's 257 tokens, and some unused ids
+
+_COMMON = dict(vocab_size=VOCAB, max_position_embeddings=256, initializer_range=0.1,
+               bos_token_id=None, eos_token_id=None, pad_token_id=None)
+_LLAMA = dict(_COMMON, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32}
+
+# name -> (config class, model class, config kwargs)
+SPECS = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+             dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                  initializer_range=0.1, bos_token_id=None, eos_token_id=None)),
+    # GQA, untied head, llama3 rope scaling.
+    "llama_gqa": ("LlamaConfig", "LlamaForCausalLM",
+                  dict(_LLAMA, num_attention_heads=4, num_key_value_heads=2,
+                       tie_word_embeddings=False, rope_parameters=_LLAMA3_ROPE)),
+    # MHA, tied head, attention and MLP biases.
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM",
+                   dict(_LLAMA, num_attention_heads=4, num_key_value_heads=4,
+                        tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
+    # qkv bias (no o_proj bias), GQA 4:1.
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              dict(_LLAMA, num_attention_heads=4, num_key_value_heads=1)),
+    # head_dim != hidden / heads.
+    "mistral": ("MistralConfig", "MistralForCausalLM",
+                dict(_LLAMA, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     sliding_window=None)),
+}
+
+
+def make_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
+    config_cls, model_cls, kwargs = SPECS[name]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**kwargs)
+    return getattr(transformers, model_cls)(config).eval()
+
+
+def save_hf_model(model: transformers.PreTrainedModel, folder: Path, **save_kwargs) -> Path:
+    """``save_pretrained`` plus the byte-level tokenizer.json that load_model needs."""
+    model.save_pretrained(folder, **save_kwargs)
+    byte_level_tokenizer(["<|endoftext|>"]).save(folder / "tokenizer.json")
+    return folder
