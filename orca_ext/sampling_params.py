@@ -49,7 +49,10 @@ class SamplingParams:
                "presence_penalty", self.presence_penalty, "in [-2, 2]")
         _check(_is_real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
                "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
-        _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "an integer or None")
+        # Sample i of n uses seed + i, which must fit torch.Generator's signed 64-bit seeds.
+        _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed
+                                     and self.seed + self.n - 1 < 2**63),
+               "seed", self.seed, f"None or an integer in [-2^63, 2^63 - {self.n}]")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                "a list of non-empty strings")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",

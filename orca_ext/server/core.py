@@ -22,6 +22,7 @@ from .metrics import ServerMetrics
 from .protocol import APIError
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+_INLINE_TOKENIZE_CHARS = 16384
 
 
 class ServingCore:
@@ -89,6 +90,13 @@ class ServingCore:
                 f"{param} has {len(ids)} tokens", param, "context_length_exceeded")
         return ids
 
+    async def tokenize_async(self, prompt: str | list[int], param: str = "prompt",
+                             add_special_tokens: bool = True) -> list[int]:
+        """``tokenize``; a long text in a worker thread, so the event loop keeps serving."""
+        if isinstance(prompt, str) and len(prompt) > _INLINE_TOKENIZE_CHARS:
+            return await asyncio.to_thread(self.tokenize, prompt, param, add_special_tokens)
+        return self.tokenize(prompt, param, add_special_tokens)
+
     def max_new_tokens(self, prompt_ids: Sequence[Sequence[int]], requested: int | None,
                        param: str = "max_tokens") -> int:
         """``requested`` checked against the context of the longest prompt (as OpenAI does);
@@ -123,28 +131,23 @@ class ServingCore:
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
 
-    async def start(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                    api: str) -> Generation:
+    async def start(self, prompts: list[list[int]], params: SamplingParams,
+                    request_id: str) -> Generation:
         """Add every prompt and wait for each one's first output; APIError on bad input, a full
         queue or a dead engine (nothing is left running then)."""
-        self.metrics.requests.labels(api).inc()
+        self.check_healthy()
+        ids = [request_id] if len(prompts) == 1 else \
+            [f"{request_id}-{i}" for i in range(len(prompts))]
+        streams = [self.engine.generate(p, params, rid) for p, rid in zip(prompts, ids)]
+        tasks = [asyncio.ensure_future(self._first(s)) for s in streams]
         try:
-            self.check_healthy()
-            ids = [request_id] if len(prompts) == 1 else \
-                [f"{request_id}-{i}" for i in range(len(prompts))]
-            streams = [self.engine.generate(p, params, rid) for p, rid in zip(prompts, ids)]
-            tasks = [asyncio.ensure_future(self._first(s)) for s in streams]
-            try:
-                firsts = list(await asyncio.gather(*tasks))
-            except BaseException:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                for stream in streams:
-                    await stream.aclose()
-                raise
-        except APIError as exc:
-            self.metrics.errors.labels(api, str(exc.status)).inc()
+            firsts = list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for stream in streams:
+                await stream.aclose()
             raise
         return Generation(self, streams, firsts)
 
@@ -176,6 +179,7 @@ class Generation:
         self.core = core
         self.latest = list(firsts)  # the newest output of each prompt
         self._streams = streams
+        self._tasks: list[asyncio.Future] = []
 
     async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, cumulative output) pairs: the first outputs, then as they come."""
@@ -191,14 +195,13 @@ class Generation:
             finally:
                 queue.put_nowait((index, done))
 
-        tasks = []
         try:
             for index, output in enumerate(self.latest):
                 self._record_if_finished(output)
                 yield index, output
-            tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(self._streams)
-                     if not self.latest[i].finished]
-            remaining = len(tasks)
+            self._tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(self._streams)
+                           if not self.latest[i].finished]
+            remaining = len(self._tasks)
             while remaining:
                 index, item = await queue.get()
                 if item is done:
@@ -213,10 +216,6 @@ class Generation:
                 self._record_if_finished(item)
                 yield index, item
         finally:
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
             await self.aclose()
 
     async def final(self) -> list[RequestOutput]:
@@ -226,6 +225,11 @@ class Generation:
 
     async def aclose(self) -> None:
         """Abort what is still running (idempotent)."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
         streams, self._streams = self._streams, []
         for stream in streams:
             await stream.aclose()  # AsyncEngine.generate's finally aborts an unfinished request

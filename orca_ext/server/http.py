@@ -87,21 +87,21 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await _parse(request, core, CompletionRequest, "completions")
-        body.check_unsupported()
+        body = await _parse(request, core, CompletionRequest)
+        body.check()
         core.check_model(body.model)
         texts = body.prompts()
-        prompt_ids = [core.tokenize(p) for p in texts]
+        prompt_ids = [await core.tokenize_async(p) for p in texts]
         max_tokens = core.max_new_tokens(prompt_ids, body.max_tokens)
         params = body.sampling_params(max_tokens, body.logprobs)
-        request_id = core.new_request_id("cmpl")
-        generation = await _race(request, core.start(prompt_ids, params, request_id,
-                                                     "completions"))
         echoes = [(p if isinstance(p, str) else _decode(core, p)) if body.echo else ""
                   for p in texts]
+        request_id = core.new_request_id("cmpl")
+        generation = await _race(request, core.start(prompt_ids, params, request_id))
         if body.stream:
-            return _sse(_completion_chunks(generation, body, request_id, core.model_name,
-                                           echoes, token_text))
+            return _SSEResponse(_completion_chunks(generation, body, request_id,
+                                                   core.model_name, echoes, token_text),
+                                generation)
         outputs = await _race(request, generation.final())
         choices = []
         for i, output in enumerate(outputs):
@@ -116,22 +116,23 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await _parse(request, core, ChatCompletionRequest, "chat")
-        body.check_unsupported()
+        body = await _parse(request, core, ChatCompletionRequest)
+        body.check()
         core.check_model(body.model)
         messages = [{"role": m.role, "content": m.text(),
                      **({"name": m.name} if m.name else {})} for m in body.messages]
         text = core.render_chat(messages, body.add_generation_prompt)
-        prompt_ids = [core.tokenize(text, "messages", add_special_tokens=False)]
+        prompt_ids = [await core.tokenize_async(text, "messages", add_special_tokens=False)]
         max_tokens = core.max_new_tokens(prompt_ids, body.requested_max_tokens,
                                          "max_completion_tokens"
                                          if body.max_completion_tokens is not None
                                          else "max_tokens")
         params = body.sampling_params(max_tokens, body.num_logprobs)
         request_id = core.new_request_id("chatcmpl")
-        generation = await _race(request, core.start(prompt_ids, params, request_id, "chat"))
+        generation = await _race(request, core.start(prompt_ids, params, request_id))
         if body.stream:
-            return _sse(_chat_chunks(generation, body, request_id, core.model_name, token_text))
+            return _SSEResponse(_chat_chunks(generation, body, request_id, core.model_name,
+                                             token_text), generation)
         (output,) = await _race(request, generation.final())
         choices = [{
             "index": c.index, "message": {"role": "assistant", "content": c.text},
@@ -141,15 +142,15 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
         return JSONResponse(chat_response(request_id, core.model_name, now(), choices,
                                           usage_of([output])))
 
-    app.add_middleware(_CountErrors, core=core)
+    app.add_middleware(_CountRequests, core=core)
     return app
 
 
 _STARTED = now()
 
 
-class _CountErrors:
-    """Counts every 4xx/5xx answer (those of routing and parsing included) in the metrics."""
+class _CountRequests:
+    """Counts requests per API and every 4xx/5xx answer (routing and parsing errors included)."""
 
     def __init__(self, app: Any, core: ServingCore) -> None:
         self.app = app
@@ -158,15 +159,16 @@ class _CountErrors:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        api = _API_OF_PATH.get(scope.get("path", ""), "other")
+        metrics = self.core.metrics
+        if api != "other":
+            metrics.requests.labels(api).inc()
 
         async def counting_send(message: dict) -> None:
-            if message["type"] == "http.response.start" and message["status"] >= 400 \
-                    and message["status"] != 499:
-                api = _API_OF_PATH.get(scope.get("path", ""), "other")
-                counter = self.core.metrics.errors.labels(api, str(message["status"]))
-                # core.start already counted engine-side refusals (429, 503 ...) of the APIs
-                if not scope.get("orca_counted"):
-                    counter.inc()
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                if status >= 400 and status != 499:
+                    metrics.errors.labels(api, str(status)).inc()
             await send(message)
 
         await self.app(scope, receive, counting_send)
@@ -176,7 +178,7 @@ _API_OF_PATH = {"/v1/completions": "completions", "/v1/chat/completions": "chat"
                 "/v1/models": "models"}
 
 
-async def _parse(request: Request, core: ServingCore, model: type[M], api: str) -> M:
+async def _parse(request: Request, core: ServingCore, model: type[M]) -> M:
     core.check_api_key(request.headers.get("authorization"))
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > core.max_body_bytes:
@@ -210,8 +212,6 @@ async def _race(request: Request, awaitable: Awaitable[T]) -> T:
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
-            if not task.cancelled() and isinstance(task.exception(), APIError):
-                request.scope["orca_counted"] = True
             return task.result()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -237,17 +237,32 @@ def _decode(core: ServingCore, ids: list[int]) -> str:
     return "" if core.tokenizer is None else core.tokenizer.decode(ids)
 
 
-def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
-    async def body() -> AsyncIterator[str]:
-        try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
-        except APIError as exc:  # the engine died mid-stream
-            yield f"data: {json.dumps(exc.body())}\n\n"
-        yield "data: [DONE]\n\n"
+class _SSEResponse(StreamingResponse):
+    """Server-sent events; however the response ends (done, disconnect, cancelled), the
+    generation is closed, which aborts what is still running."""
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, chunks: AsyncIterator[dict[str, Any]], generation: Generation) -> None:
+        super().__init__(_sse_lines(chunks), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._chunks = chunks
+        self._generation = generation
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self._chunks.aclose()  # type: ignore[attr-defined]
+            await self._generation.aclose()
+
+
+async def _sse_lines(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    try:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+    except APIError as exc:  # the engine died mid-stream
+        yield f"data: {json.dumps(exc.body())}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 class _Cursor:

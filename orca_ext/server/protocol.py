@@ -111,10 +111,14 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
 
-    def check_unsupported(self) -> None:
+    def check(self) -> None:
         if self.logit_bias:
             raise APIError.bad_request("logit_bias is not supported", "logit_bias",
                                        "unsupported_parameter")
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 63:
+            # (out of torch's seed range, a seed would fail the whole engine step)
+            raise APIError.bad_request(f"seed must be a signed 64-bit integer, got {self.seed}",
+                                       "seed")
         if not 1 <= self.n <= MAX_N:
             raise APIError.bad_request(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
@@ -153,8 +157,8 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
+    def check(self) -> None:
+        super().check()
         if self.suffix:
             raise APIError.bad_request("suffix is not supported", "suffix",
                                        "unsupported_parameter")
@@ -210,8 +214,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
+    def check(self) -> None:
+        super().check()
         if self.tools:
             raise APIError.bad_request("tools are not supported", "tools",
                                        "unsupported_parameter")
@@ -249,26 +253,62 @@ def usage_of(outputs: list[RequestOutput]) -> dict[str, int]:
                  sum(len(c.token_ids) for o in outputs for c in o.outputs))
 
 
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: printable character -> the byte it stands for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in printable]
+    chars.update((chr(256 + i), b) for i, b in enumerate(others))
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_chars()
+
+
 class TokenText:
-    """Token id -> text of that token alone (for logprobs), cached."""
+    """Token id -> (text, bytes) of that token alone, for logprobs; cached. A token that is
+    not whole UTF-8 (part of a multi-byte character) shows as ``bytes:\\xe2\\x80``, as
+    OpenAI writes it, when the tokenizer is byte-level."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
+        self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            if self._tokenizer is None:
-                text = f"<{token_id}>"
-            else:
-                try:
-                    text = self._tokenizer.decode([token_id], skip_special_tokens=False)
-                except TypeError:
-                    text = self._tokenizer.decode([token_id])
+        return self.entry(token_id)[0]
+
+    def bytes(self, token_id: int) -> list[int]:
+        return self.entry(token_id)[1]
+
+    def entry(self, token_id: int) -> tuple[str, list[int]]:
+        entry = self._cache.get(token_id)
+        if entry is None:
+            entry = self._lookup(token_id)
             if len(self._cache) < 1 << 16:
-                self._cache[token_id] = text
-        return text
+                self._cache[token_id] = entry
+        return entry
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
+        tokenizer = self._tokenizer
+        if tokenizer is None:
+            return f"<{token_id}>", []
+        try:
+            text = tokenizer.decode([token_id], skip_special_tokens=False)
+        except TypeError:
+            text = tokenizer.decode([token_id])
+        raw = None
+        inner = getattr(tokenizer, "inner", None)
+        if inner is not None and hasattr(inner, "id_to_token"):
+            piece = inner.id_to_token(token_id)
+            if piece and all(c in _BYTE_LEVEL for c in piece):
+                raw = bytes(_BYTE_LEVEL[c] for c in piece)
+        if "\ufffd" in text and raw is not None:
+            try:
+                raw.decode()
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
+        return text, list(text.encode())
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]],
@@ -294,9 +334,9 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]],
         text = token_text(token_id)
         top = sorted(((t, lp) for t, lp in entry.items()), key=lambda x: -x[1])[:num_top]
         content.append({
-            "token": text, "logprob": entry.get(token_id), "bytes": list(text.encode()),
+            "token": text, "logprob": entry.get(token_id), "bytes": token_text.bytes(token_id),
             "top_logprobs": [{"token": token_text(t), "logprob": lp,
-                              "bytes": list(token_text(t).encode())} for t, lp in top]})
+                              "bytes": token_text.bytes(t)} for t, lp in top]})
     return {"content": content}
 
 

@@ -48,6 +48,7 @@ void report(const std::string& what, double err, double tol, bool extra_ok = tru
   const bool ok = err <= tol && extra_ok;
   std::printf("%s %-70s max_err=%.3g tol=%.3g\n", ok ? "PASS" : "FAIL", what.c_str(), err, tol);
   if (!ok) ++g_failures;
+  std::fflush(stdout);
 }
 
 // ---- ragged_attention ----------------------------------------------------------------------
@@ -57,6 +58,7 @@ struct AttnCase {
   std::vector<int> q_lens, ctx;
   int num_sms;
   bool bad_block = false;  // put an out-of-range id in a used block_table entry
+  bool corrupt = false;    // garbage metadata: only memory safety is checked (run under ASan)
 };
 
 template <typename T, int D>
@@ -125,6 +127,15 @@ void test_attention(const AttnCase& c, const std::string& label) {
     bad_j = 0;
     table[bad_r * max_blocks + bad_j] = NB + 1000;
   }
+  std::vector<int> ctx = c.ctx;
+  if (c.corrupt) {  // contexts past the table, negative, offsets past T, q_len > ctx, bad ids
+    ctx[0] = 1 << 29;
+    if (B > 1) ctx[1] = -5;
+    cu[1] = T_ + 100;
+    if (B > 2) cu[2] = 1;
+    table[0] = NB + 5;
+    table[max_blocks - 1] = -100;
+  }
   // q is a strided view: rows of [Hq + 2 Hkv] heads (like a fused QKV projection).
   const int q_heads_stride = Hq + 2 * Hkv;
   std::vector<T> qbuf(static_cast<size_t>(T_) * q_heads_stride * D);
@@ -150,7 +161,7 @@ void test_attention(const AttnCase& c, const std::string& label) {
   p.part_o = part_o.data();
   p.part_lse = part_lse.data();
   p.cu_q_lens = cu.data();
-  p.context_lens = c.ctx.data();
+  p.context_lens = ctx.data();
   p.block_table = table.data();
   p.num_blocks = NB;
   p.num_tokens = T_;
@@ -166,6 +177,11 @@ void test_attention(const AttnCase& c, const std::string& label) {
   p.scale_log2 = scale * 1.4426950408889634f;
   run_attention<T>(p, plan);
 
+  if (c.corrupt) {
+    report("attention " + std::string(name_of<T>()) + " " + label + " (ran; memory safety only)",
+           0, 0);
+    return;
+  }
   // Reference (double), skipping positions of the bad block (they must not crash; their value
   // is unspecified, so requests touching it are not compared).
   double max_err = 0;
@@ -224,12 +240,18 @@ void attention_suite() {
   test_attention<T>({2, 1, 64, 4, 0, {40, 1}, {40, 513}, 132}, "prefill+decode split");
   // Out-of-range block id: must not crash or touch other requests.
   test_attention<T>({4, 2, 64, 16, 0, {3, 1}, {40, 300}, 132, true}, "bad block id");
+  // MQA decode with a group larger than a decode tile (two 16-row tiles per request).
+  test_attention<T>({32, 1, 64, 16, 0, {1, 1}, {90, 600}, 132}, "mqa decode g=32");
+  // Garbage metadata on every path.
+  test_attention<T>({4, 2, 64, 16, 0, {3, 1, 2}, {40, 300, 2}, 132, false, true}, "corrupt decode");
+  test_attention<T>({4, 1, 64, 4, 0, {70, 1, 30}, {70, 900, 40}, 132, false, true}, "corrupt prefill");
+  test_attention<T>({4, 1, 64, 4, 0, {70, 1, 30}, {70, 900, 40}, 1, false, true}, "corrupt no-split");
 }
 
 // ---- store_kv ----------------------------------------------------------------------------------
 
 template <typename T>
-void test_store_kv() {
+void test_store_kv(int vb) {
   const int Tn = 9, H = 3, D = 40, slots = 32;
   const int stride_t = (H + 2) * D;  // key/value are views into a wider buffer
   std::vector<T> key(static_cast<size_t>(Tn) * stride_t), value(key.size());
@@ -239,7 +261,7 @@ void test_store_kv() {
   std::vector<int64_t> slot = {3, -1, 31, 0, 1000, 7, -5, 12, 2};
   StoreKvParams p{};
   p.key = key.data();
-  p.value = value.data() + D;  // offset view: alignment 2*D bytes
+  p.value = value.data() + D;  // offset view
   p.k_cache = kc.data();
   p.v_cache = vc.data();
   p.slot_mapping = slot.data();
@@ -249,7 +271,10 @@ void test_store_kv() {
   p.row_bytes = D * sizeof(T);
   p.key_stride_token = p.value_stride_token = stride_t * sizeof(T);
   p.key_stride_head = p.value_stride_head = D * sizeof(T);
-  orca_emu::launch(dim3(Tn), dim3(64), 0, [&] { kvstore::store_kv_kernel<4>(p); });
+  if (vb == 16) orca_emu::launch(dim3(Tn), dim3(64), 0, [&] { kvstore::store_kv_kernel<16>(p); });
+  else if (vb == 8) orca_emu::launch(dim3(Tn), dim3(64), 0, [&] { kvstore::store_kv_kernel<8>(p); });
+  else if (vb == 4) orca_emu::launch(dim3(Tn), dim3(64), 0, [&] { kvstore::store_kv_kernel<4>(p); });
+  else orca_emu::launch(dim3(Tn), dim3(64), 0, [&] { kvstore::store_kv_kernel<2>(p); });
   double err = 0;
   for (int s = 0; s < slots; ++s) {
     int src = -1;
@@ -263,7 +288,7 @@ void test_store_kv() {
         err = std::max<double>(err, std::abs(back(vc[(s * H + h) * D + d]) - ev));
       }
   }
-  report(std::string("store_kv ") + name_of<T>(), err, 0);
+  report(std::string("store_kv ") + name_of<T>() + " vec=" + std::to_string(vb), err, 0);
 }
 
 // ---- packed_linear kernels -----------------------------------------------------------------------
@@ -377,8 +402,8 @@ int main(int argc, char** argv) {
     test_attention<__nv_bfloat16>({2, 1, 40, 4, 0, {3, 1}, {20, 50}, 132}, "odd D -> simple");
   }
   if (which == "store_kv" || which == "all") {
-    test_store_kv<__nv_bfloat16>();
-    test_store_kv<float>();
+    for (int vb : {16, 8, 4, 2}) test_store_kv<__nv_bfloat16>(vb);
+    test_store_kv<float>(16);
   }
   if (which == "linear" || which == "all") {
     linear_suite<__nv_bfloat16>();

@@ -402,20 +402,29 @@ __global__ void __launch_bounds__(128) merge_kernel(const AttentionParams p) {
   const float wsum = warp_sum(w0 + w1);
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
   T* out = static_cast<T*>(p.out) + row_id * p.head_dim;
-  for (int c = lane * 4; c < p.head_dim; c += 128) {
+  // Every lane runs every iteration (the shuffles need the whole warp); lanes past head_dim
+  // only skip the loads and stores.
+  for (int c0 = 0; c0 < p.head_dim; c0 += 128) {
+    const int c = c0 + lane * 4;
+    const bool active = c < p.head_dim;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int s = 0; s < nv; ++s) {
       const float ws = __shfl_sync(0xffffffffu, s < 32 ? w0 : w1, s & 31);
-      const float4 v = *reinterpret_cast<const float4*>(p.part_o + (prow0 + s) * p.head_dim + c);
-      acc.x += ws * v.x;
-      acc.y += ws * v.y;
-      acc.z += ws * v.z;
-      acc.w += ws * v.w;
+      if (active) {
+        const float4 v =
+            *reinterpret_cast<const float4*>(p.part_o + (prow0 + s) * p.head_dim + c);
+        acc.x += ws * v.x;
+        acc.y += ws * v.y;
+        acc.z += ws * v.z;
+        acc.w += ws * v.w;
+      }
     }
-    out[c] = from_float<T>(acc.x * inv);
-    out[c + 1] = from_float<T>(acc.y * inv);
-    out[c + 2] = from_float<T>(acc.z * inv);
-    out[c + 3] = from_float<T>(acc.w * inv);
+    if (active) {
+      out[c] = from_float<T>(acc.x * inv);
+      out[c + 1] = from_float<T>(acc.y * inv);
+      out[c + 2] = from_float<T>(acc.z * inv);
+      out[c + 3] = from_float<T>(acc.w * inv);
+    }
   }
 }
 

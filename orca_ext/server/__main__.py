@@ -1,0 +1,242 @@
+"""``orca-serve`` / ``python -m orca_ext.server``: the OpenAI-compatible HTTP server (FastAPI +
+uvicorn) and, with ``--grpc-port``, the gRPC server, both in one event loop over one engine."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes: ``1073741824``, ``512MiB``, ``2GiB``, ``1.5G`` (K/M/G/T are powers of 1024;
+    ``KB``/``MB``/``GB``/``TB`` powers of 1000)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 2GiB, 512MiB)")
+    number, unit, suffix = match.groups()
+    power = " kmgt".index(unit.lower() or " ")
+    base = 1000 if suffix.lower() == "b" and unit else 1024
+    return int(float(number) * base ** power)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port: {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..scheduler import POLICIES
+
+    p = argparse.ArgumentParser(
+        prog="orca-serve", description="Serve a model over an OpenAI-compatible HTTP API "
+        "(and gRPC with --grpc-port).")
+    p.add_argument("--model", default="orca-tiny",
+                   help="a Hugging Face model folder or a built-in name (default: orca-tiny)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients use in 'model' (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
+                   "127.0.0.1; 0.0.0.0 for all interfaces)")
+    p.add_argument("--port", type=_port, default=8000,
+                   help="HTTP port (default 8000; 0: pick a free one)")
+    p.add_argument("--grpc-port", type=_port, default=None,
+                   help="also serve gRPC on this port (0: pick a free one)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when "
+                   "available)")
+    p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
+    p.add_argument("--max-batch-size", type=_positive, default=32,
+                   help="most requests in one iteration (default 32)")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-tokens", type=_positive, default=None,
+                    help="KV cache size in tokens (default: max-batch-size full contexts)")
+    kv.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                    help="KV cache size in bytes, e.g. 4GiB")
+    p.add_argument("--block-size", type=_positive, default=16, help="KV block size in tokens")
+    p.add_argument("--policy", default="orca", choices=sorted(POLICIES),
+                   help="scheduling policy (default orca)")
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=None,
+                   help="per-iteration token budget (paged policy only)")
+    p.add_argument("--api-key", default=os.environ.get("ORCA_API_KEY"),
+                   help="require 'Authorization: Bearer <key>' on /v1 and gRPC (default: "
+                   "$ORCA_API_KEY; none)")
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS (and gRPC over TLS)")
+    p.add_argument("--ssl-keyfile", default=None, help="the certificate's private key")
+    p.add_argument("--max-queue", type=_positive, default=None,
+                   help="refuse new requests (429) while this many wait for admission")
+    p.add_argument("--max-body-bytes", type=parse_size, default=4 << 20,
+                   help="largest request body (default 4MiB; larger: 413)")
+    p.add_argument("--stuck-timeout", type=float, default=300.0,
+                   help="seconds one engine step may take before /health reports 503")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    return p
+
+
+class _UvicornServer:
+    """uvicorn.Server without its own signal handling (``main`` installs handlers that stop it,
+    then shuts down gRPC and the engine before the process exits)."""
+
+    def __new__(cls, config):  # subclass lazily: uvicorn is an optional dependency
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                yield
+
+            def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+                pass
+
+        return Server(config)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _token(tokenizer: Any, token_id: int | None) -> str | None:
+    inner = getattr(tokenizer, "inner", None)
+    if token_id is None or inner is None:
+        return None
+    return inner.id_to_token(token_id)
+
+
+def _summary(loaded: Any, engine: Any) -> list[str]:
+    from ..executor.kv_cache import kv_bytes_per_block
+
+    config = loaded.config
+    params = sum(p.numel() for p in loaded.model.parameters())
+    allocator = engine.scheduler.allocator
+    kv_bytes = kv_bytes_per_block(config, allocator.block_size, loaded.dtype) \
+        * allocator.num_blocks
+    return [
+        f"model: {config.architecture}, {config.num_layers} layers, hidden {config.hidden_size}, "
+        f"{config.num_heads} heads ({config.num_kv_heads} KV), vocab {config.vocab_size}, "
+        f"{params / 1e6:.1f}M parameters, {str(loaded.dtype).removeprefix('torch.')} on "
+        f"{loaded.device}, context {loaded.max_model_len} tokens"
+        f"{', chat template' if loaded.chat_template else ''}",
+        f"KV cache: {allocator.num_blocks} blocks x {allocator.block_size} tokens = "
+        f"{allocator.num_blocks * allocator.block_size} tokens, {kv_bytes / 2**20:.1f} MiB; "
+        f"policy {engine.scheduler.config.policy}, max batch size "
+        f"{engine.scheduler.config.max_batch_size}",
+    ]
+
+
+async def _serve(args: argparse.Namespace, core: Any, http_sock: socket.socket,
+                 banner: list[str]) -> None:
+    import uvicorn
+
+    from .grpc_server import start_grpc_server
+    from .http import create_app
+
+    app = create_app(core)
+    config = uvicorn.Config(app, log_level=args.log_level, ssl_certfile=args.ssl_certfile,
+                            ssl_keyfile=args.ssl_keyfile, timeout_graceful_shutdown=5,
+                            timeout_keep_alive=30, server_header=False)
+    server = _UvicornServer(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):  # Windows
+            loop.add_signal_handler(sig, server.handle_exit, sig, None)
+    grpc_server = None
+    scheme = "https" if args.ssl_certfile else "http"
+    host, port = http_sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    lines = [*banner, f"HTTP listening on {scheme}://{shown}:{port} (OpenAI API under /v1; "
+             f"/health, /metrics)"]
+    if args.grpc_port is not None:
+        grpc_server, grpc_port = await start_grpc_server(
+            core, args.host, args.grpc_port, ssl_certfile=args.ssl_certfile,
+            ssl_keyfile=args.ssl_keyfile)
+        lines.append(f"gRPC listening on {shown}:{grpc_port}"
+                     f"{' (TLS)' if args.ssl_certfile else ''} (service orca.v1.Orca)")
+    for line in lines:
+        print(f"orca-serve: {line}", flush=True)
+    try:
+        await server.serve(sockets=[http_sock])
+    finally:
+        if grpc_server is not None:
+            await grpc_server.stop(grace=2)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        print("orca-serve: error: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.DEBUG if args.log_level == "trace"
+                        else args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import fastapi  # noqa: F401
+        import grpc  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        print(f"orca-serve: error: {exc.name} is missing; install the server dependencies with "
+              "pip install 'orca_ext[serve]'", file=sys.stderr)
+        return 2
+
+    import torch
+
+    from ..async_engine import AsyncEngine
+    from ..llm import build_engine
+    from ..model import load_model
+    from .core import ServingCore
+
+    try:
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        loaded = load_model(args.model, args.dtype, device)
+        engine = build_engine(loaded, max_batch_size=args.max_batch_size,
+                              kv_cache_tokens=args.kv_cache_tokens,
+                              kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+                              policy=args.policy,
+                              max_num_batched_tokens=args.max_num_batched_tokens)
+        http_sock = _bind(args.host, args.port)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        print(f"orca-serve: error: {exc}", file=sys.stderr)
+        return 2
+    eos = loaded.eos_token_ids[0] if loaded.eos_token_ids else None
+    async_engine = AsyncEngine(engine, stuck_timeout=args.stuck_timeout)
+    try:
+        core = ServingCore(async_engine, args.served_model_name or args.model,
+                           chat_template=loaded.chat_template,
+                           bos_token=_token(loaded.tokenizer, loaded.config.bos_token_id),
+                           eos_token=_token(loaded.tokenizer, eos), api_key=args.api_key,
+                           max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
+        asyncio.run(_serve(args, core, http_sock, _summary(loaded, engine)))
+    except ValueError as exc:
+        print(f"orca-serve: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        http_sock.close()
+        async_engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
