@@ -78,7 +78,7 @@ else()
     execute_process(COMMAND "${_nvcc}" --version OUTPUT_VARIABLE _nvcc_out
                     RESULT_VARIABLE _nvcc_rc ERROR_QUIET)
     if(NOT _nvcc_rc EQUAL 0 OR NOT _nvcc_out MATCHES "release ([0-9]+)\\.([0-9]+)")
-      _orca_cuda_unavailable("'${_nvcc} --version' failed; the CUDA toolkit looks broken")
+      _orca_cuda_unavailable("'${_nvcc} --version' failed: the CUDA toolkit looks broken")
     else()
       set(ORCA_NVCC_VERSION "${CMAKE_MATCH_1}.${CMAKE_MATCH_2}")
       set(_nvcc_major "${CMAKE_MATCH_1}")
@@ -131,7 +131,7 @@ for d in glob.glob(os.path.join(p, '*')) if os.path.isdir(os.path.join(d, 'inclu
     endif()
     set(CMAKE_CUDA_ARCHITECTURES "${_archs}")
     set(CMAKE_CUDA_COMPILER "${_nvcc}")
-    set(CMAKE_CUDA_STANDARD 20)
+    set(CMAKE_CUDA_STANDARD 17)  # the .cu files are torch-free: C++17 is enough
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)
     set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
     enable_language(CUDA)
@@ -173,8 +173,10 @@ for d in glob.glob(os.path.join(p, '*')) if os.path.isdir(os.path.join(d, 'inclu
     target_link_libraries(_C PRIVATE "${ORCA_TORCH_LIB_torch_cuda}" "${ORCA_TORCH_LIB_c10_cuda}"
                           CUDA::cudart ${_cublaslt})
     target_compile_options(_C PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-O3>)
+    # _C exists before CUDA is enabled, so its CUDA properties are set explicitly.
     set_target_properties(_C PROPERTIES CUDA_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}"
-                          CUDA_RUNTIME_LIBRARY Shared)
+                          CUDA_RUNTIME_LIBRARY Shared CUDA_STANDARD 17
+                          CUDA_STANDARD_REQUIRED ON)
     message(STATUS "orca_ext: building the CUDA kernels (cuBLASLt: ${_cublaslt})")
   endif()
 endif()

@@ -90,6 +90,7 @@ at::Tensor ragged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cac
   p.head_dim = static_cast<int32_t>(s.head_dim);
   p.block_size = static_cast<int32_t>(s.block_size);
   p.max_blocks = static_cast<int32_t>(s.max_blocks);
+  p.block_shift = cuda::block_size_shift(s.block_size);
   p.max_context = cuda::attention_max_context(s.block_size, s.max_blocks);
   p.kv_chunk = plan.kv_chunk;
   p.max_splits = plan.max_splits;

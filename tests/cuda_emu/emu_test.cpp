@@ -171,6 +171,7 @@ void test_attention(const AttnCase& c, const std::string& label) {
   p.head_dim = D;
   p.block_size = bs;
   p.max_blocks = max_blocks;
+  p.block_shift = block_size_shift(bs);
   p.max_context = attention_max_context(bs, max_blocks);
   p.kv_chunk = plan.kv_chunk;
   p.max_splits = plan.max_splits;

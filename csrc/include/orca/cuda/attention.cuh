@@ -183,11 +183,19 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_tc_kernel(const Att
         bool valid = kv < kv_hi;
         int64_t off = 0;
         if (valid) {
-          const int blk = __ldg(blocks + kv / p.block_size);
+          int bi, bo;  // block index in the table, offset in the block
+          if (p.block_shift >= 0) {
+            bi = kv >> p.block_shift;
+            bo = kv & (p.block_size - 1);
+          } else {
+            bi = kv / p.block_size;
+            bo = kv - bi * p.block_size;
+          }
+          const int blk = __ldg(blocks + bi);
           valid = blk >= 0 && blk < p.num_blocks;
-          off = ((static_cast<int64_t>(blk) * p.block_size + kv % p.block_size) *
-                     p.num_kv_heads + h) * D + col * 8;
-          if (!valid) off = 0;
+          off = valid ? ((static_cast<int64_t>(blk) * p.block_size + bo) * p.num_kv_heads + h) *
+                                D + col * 8
+                      : 0;
         }
         cp_async16(dk + row * LD + col * 8, k_ptr + off, valid);
         cp_async16(dv + row * LD + col * 8, v_ptr + off, valid);
@@ -379,6 +387,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_tc_kernel(const Att
 // One warp per row.
 template <typename T>
 __global__ void __launch_bounds__(128) merge_kernel(const AttentionParams p) {
+  static_assert(kAttnMaxSplits <= 64, "each lane holds two splits");
   const int64_t row_id = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (row_id >= static_cast<int64_t>(p.num_tokens) * p.num_q_heads) return;

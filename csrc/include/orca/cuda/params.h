@@ -44,6 +44,7 @@ struct AttentionParams {
   const int32_t* block_table;   // [B, max_blocks]
   int64_t num_blocks;
   int32_t num_tokens, batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int32_t block_shift;  // log2(block_size) when it is a power of two, else -1
   int32_t max_context; // attention_max_context(): context_lens are clamped to [0, max_context]
   int32_t kv_chunk;    // KV positions per split (a multiple of kAttnBlockN)
   int32_t max_splits;  // ceil(max_blocks * block_size / kv_chunk); 1 = no split, no merge
@@ -66,6 +67,13 @@ inline size_t attention_smem_bytes(int warps_m, int head_dim, int batch) {
   const size_t tiles = (16 * warps_m + 2 * kAttnStages * kAttnBlockN) * row;
   const size_t prefix = ((static_cast<size_t>(batch) + 1) * 4 + 15) / 16 * 16;
   return tiles + prefix;
+}
+
+inline int32_t block_size_shift(int64_t block_size) {
+  for (int32_t s = 0; s < 31; ++s) {
+    if ((int64_t{1} << s) == block_size) return s;
+  }
+  return -1;
 }
 
 // Longest context the block table can address (clamped so positions fit in int32).
@@ -108,7 +116,9 @@ inline AttentionPlan plan_attention(int64_t T, int64_t B, int64_t Hq, int64_t Hk
   }
   if (p.max_splits > 1) p.partial_rows = T * Hq * p.max_splits;
   const int64_t items = tiles * p.max_splits;
-  p.grid_x = std::max<int64_t>(1, std::min(items, div_up(16 * int64_t{num_sms}, Hkv)));
+  // About 8 CTAs per SM in all (2-3 resident waves): each CTA rebuilds the per-request prefix
+  // once, then loops over its items.
+  p.grid_x = std::max<int64_t>(1, std::min(items, div_up(8 * int64_t{num_sms}, Hkv)));
   p.smem_bytes = attention_smem_bytes(p.warps_m, static_cast<int>(D), static_cast<int>(B));
   return p;
 }
