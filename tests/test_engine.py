@@ -178,10 +178,12 @@ def test_bad_input_raises_and_engine_keeps_running():
     engine.step()
     mutated = SamplingParams()
     mutated.temperature = -1.0
+    huge_seed = SamplingParams(n=2)
+    huge_seed.seed = 2**63 - 1  # seed + 1 for the second sample would overflow torch's seeds
     bad = [("", None, "prompt"), ([], None, "prompt"), ([1, 2, VOCAB], None, "prompt"),
            ([-1], None, "prompt"), ([1.5], None, "prompt"), ("x" * 300, None, "prompt"),
            ([1] * 30, SamplingParams(max_tokens=40), "max_tokens"),
-           ([1], mutated, "temperature"), ("ok", None, "request_id")]
+           ([1], mutated, "temperature"), ([1], huge_seed, "seed"), ("ok", None, "request_id")]
     for prompt, params, field in bad:
         with pytest.raises(ValueError, match=field):
             engine.add_request("ok" if field == "request_id" else "bad", prompt, params)
