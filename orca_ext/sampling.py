@@ -150,8 +150,7 @@ class Sampler:
         logprobs = logits.float().log_softmax(dim=-1)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
         top_n = max(n or 0 for n in wanted)
-        top_values, top_ids = logprobs.topk(top_n, dim=-1)
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
-        return [None if n is None else TokenLogprobs(chosen[row], dict(zip(top_ids[row][:n],
-                                                                            top_values[row][:n])))
+        top_values, top_ids = (t.tolist() for t in logprobs.topk(top_n, dim=-1))
+        return [None if n is None
+                else TokenLogprobs(chosen[row], dict(zip(top_ids[row][:n], top_values[row][:n])))
                 for row, n in enumerate(wanted)]

@@ -22,7 +22,8 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, kv_cache: KVCache, allocator: SlotAllocator,
                  sampler: Sampler | None = None) -> None:
-        if allocator.block_size != kv_cache.block_size or allocator.num_blocks > kv_cache.num_blocks:
+        if (allocator.block_size != kv_cache.block_size
+                or allocator.num_blocks > kv_cache.num_blocks):
             raise ValueError(f"allocator ({allocator.num_blocks} blocks of {allocator.block_size}) "
                              f"does not fit the KV cache ({kv_cache.num_blocks} blocks of "
                              f"{kv_cache.block_size})")

@@ -76,7 +76,8 @@ class ModelConfig:
                        eos_token_ids=_token_ids(hf.get("eos_token_id")), hf_config=dict(hf),
                        **fields)
         except KeyError as e:
-            raise ValueError(f"config.json for {architecture} lacks the key {e.args[0]!r}") from None
+            raise ValueError(f"config.json for {architecture} lacks the key "
+                             f"{e.args[0]!r}") from None
 
 
 def _architecture(hf: dict[str, Any]) -> str:
@@ -141,7 +142,8 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if rope_type not in _ROPE_TYPES:
-        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(_ROPE_TYPES)}")
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: "
+                         f"{', '.join(_ROPE_TYPES)}")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"unsupported partial_rotary_factor {params['partial_rotary_factor']!r}")
     if rope_type == "default":

@@ -66,17 +66,25 @@ def build_model(config: ModelConfig, dtype: torch.dtype,
         return cls(config).eval()
 
 
-def load_model(name_or_path: str, dtype: torch.dtype | str = "float32",
-               device: torch.device | str = "cpu") -> LoadedModel:
-    """Load the built-in ``orca-tiny`` or a Hugging Face model folder (config.json, *.safetensors
-    or a sharded index, tokenizer.json, optional generation_config.json)."""
-    dtype = resolve_dtype(dtype)
+@dataclass
+class ModelInfo:
+    """What serving needs besides the weights (a distributed engine's driver holds no weights)."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer
+    eos_token_ids: list[int]
+    max_model_len: int
+    chat_template: str | None = None
+    folder: Path | None = None  # the Hugging Face folder; None for a built-in model
+
+
+def load_model_info(name_or_path: str) -> ModelInfo:
+    """Config, tokenizer, stop ids and chat template of a built-in name or a model folder,
+    without reading any weights."""
     if name_or_path in BUILTIN_MODELS:
         config = ModelConfig.from_hf(BUILTIN_MODELS[name_or_path])
-        model = build_model(config, dtype, device)
-        init_random_weights(model)
-        return LoadedModel(model, config, builtin_tokenizer(), list(config.eos_token_ids),
-                           config.max_model_len)
+        return ModelInfo(config, builtin_tokenizer(), list(config.eos_token_ids),
+                         config.max_model_len)
     folder = Path(name_or_path)
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder {str(folder)!r} does not exist (built-in models: "
@@ -85,19 +93,32 @@ def load_model(name_or_path: str, dtype: torch.dtype | str = "float32",
     if not config_file.is_file():
         raise FileNotFoundError(f"{folder} has no config.json")
     config = ModelConfig.from_hf(_read_json(config_file))
-    family, _ = _FAMILIES[config.family]
     tokenizer = Tokenizer.from_file(folder / "tokenizer.json")
-    model = build_model(config, dtype, device)
-    load_hf_weights(model, family.hf_weight_map(config), folder, family.canonical_hf_name,
-                    family.IGNORED_HF_WEIGHTS)
     generation = folder / "generation_config.json"
     eos = list(config.eos_token_ids)
     if generation.is_file():
         eos_value = _read_json(generation).get("eos_token_id")
         eos_value = [eos_value] if isinstance(eos_value, int) else eos_value or []
         eos = list(dict.fromkeys([*eos_value, *eos]))
-    return LoadedModel(model, config, tokenizer, eos, config.max_model_len,
-                       _chat_template(folder))
+    return ModelInfo(config, tokenizer, eos, config.max_model_len, _chat_template(folder), folder)
+
+
+def load_model(name_or_path: str, dtype: torch.dtype | str = "float32",
+               device: torch.device | str = "cpu") -> LoadedModel:
+    """Load the built-in ``orca-tiny`` or a Hugging Face model folder (config.json, *.safetensors
+    or a sharded index, tokenizer.json, optional generation_config.json)."""
+    dtype = resolve_dtype(dtype)
+    info = load_model_info(name_or_path)
+    config = info.config
+    model = build_model(config, dtype, device)
+    if info.folder is None:
+        init_random_weights(model)
+    else:
+        family, _ = _FAMILIES[config.family]
+        load_hf_weights(model, family.hf_weight_map(config), info.folder,
+                        family.canonical_hf_name, family.IGNORED_HF_WEIGHTS)
+    return LoadedModel(model, config, info.tokenizer, info.eos_token_ids, info.max_model_len,
+                       info.chat_template)
 
 
 def save_pretrained_folder(loaded: LoadedModel, path: str | Path) -> Path:
