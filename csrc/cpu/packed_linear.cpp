@@ -1,6 +1,7 @@
 // packed_linear on CPU: y = act(x @ W^T + b) over packed tokens.
-// Without an activation the bias rides in BLAS's beta term (one addmm call, like F.linear).
-// With one, the output is computed in cache-sized tiles: each tile's GEMM writes a thread-local
+// Up to kSkinnyMaxT tokens, a dot-product kernel streams the weights once with the epilogue
+// fused. Beyond that, without an activation the bias rides in BLAS's beta term (one addmm
+// call, like F.linear); with gelu_tanh / relu the output is computed in cache-sized tiles: each tile's GEMM writes a thread-local
 // buffer and the epilogue (bias + activation, or silu(gate) * up) turns it into the final
 // output while it is still in cache, so the output is written exactly once.
 #include <ATen/Parallel.h>
@@ -10,25 +11,28 @@
 
 #include "checks.h"
 #include "orca/cpu/math.h"
+#include "orca/cpu/skinny_linear.h"
 
 namespace orca {
 namespace {
 
+constexpr int64_t kSkinnyMaxT = 4;
+constexpr int64_t kSkinnyBlock = 64;  // output columns per task of the skinny path
 constexpr int64_t kMaxTileRows = 512;
 constexpr int64_t kTileBufferElems = 128 * 1024;  // per thread, ~half of a 1 MB L2 in float32
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // out[i, j] = act(in[i, j] + bias[j]); for silu_and_mul, silu(in + bias) * (up_in + up_bias).
-template <typename scalar_t, Activation act>
-void epilogue(const scalar_t* in, const scalar_t* up_in, int64_t in_stride, int64_t rows,
+template <Activation act, typename in_t, typename scalar_t>
+void epilogue(const in_t* in, const in_t* up_in, int64_t in_stride, int64_t rows,
               int64_t cols, const scalar_t* bias, const scalar_t* up_bias, scalar_t* out,
               int64_t out_stride) {
   for (int64_t i = 0; i < rows; ++i) {
-    const scalar_t* t = in + i * in_stride;
+    const in_t* t = in + i * in_stride;
     scalar_t* o = out + i * out_stride;
     if constexpr (act == Activation::kSiluAndMul) {
-      const scalar_t* u = up_in + i * in_stride;
+      const in_t* u = up_in + i * in_stride;
       for (int64_t j = 0; j < cols; ++j) {
         const float g = static_cast<float>(t[j]) + (bias ? static_cast<float>(bias[j]) : 0.f);
         const float v = static_cast<float>(u[j]) + (up_bias ? static_cast<float>(up_bias[j]) : 0.f);
@@ -38,9 +42,45 @@ void epilogue(const scalar_t* in, const scalar_t* up_in, int64_t in_stride, int6
       for (int64_t j = 0; j < cols; ++j) {
         const float v = static_cast<float>(t[j]) + (bias ? static_cast<float>(bias[j]) : 0.f);
         o[j] = static_cast<scalar_t>(act == Activation::kGeluTanh ? cpu::gelu_tanh(v)
-                                                                  : cpu::relu(v));
+                                     : act == Activation::kRelu   ? cpu::relu(v)
+                                                                  : v);
       }
     }
+  }
+}
+
+// Up to kSkinnyMaxT tokens (decode at small batch): dot products that stream each weight row
+// once (orca/cpu/skinny_linear.h), in blocks of output columns across the threads, each block's
+// epilogue applied while it is in cache.
+template <int kT, typename scalar_t, Activation act>
+void skinny_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t* bias,
+                   at::Tensor& out) {
+  const int64_t K = x.size(1), N = out.size(1);
+  const int64_t half = act == Activation::kSiluAndMul ? N : 0;  // offset of the up rows
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* x_ptr = xf.data_ptr<float>();
+  const scalar_t* w = weight.data_ptr<scalar_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  at::parallel_for(0, ceil_div(N, kSkinnyBlock), 1, [&](int64_t begin, int64_t end) {
+    float y[kT * kSkinnyBlock], up[kT * kSkinnyBlock];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * kSkinnyBlock, cols = std::min(kSkinnyBlock, N - n0);
+      cpu::skinny_dot<kT>(x_ptr, w, K, n0, n0 + cols, y, kSkinnyBlock);
+      if (half) cpu::skinny_dot<kT>(x_ptr, w, K, half + n0, half + n0 + cols, up, kSkinnyBlock);
+      epilogue<act, float, scalar_t>(y, up, kSkinnyBlock, kT, cols, bias ? bias + n0 : nullptr,
+                    bias && half ? bias + half + n0 : nullptr, out_ptr + n0, N);
+    }
+  });
+}
+
+template <typename scalar_t, Activation act>
+void dispatch_skinny(const at::Tensor& x, const at::Tensor& weight, const scalar_t* bias,
+                     at::Tensor& out) {
+  switch (x.size(0)) {
+    case 1: return skinny_linear<1, scalar_t, act>(x, weight, bias, out);
+    case 2: return skinny_linear<2, scalar_t, act>(x, weight, bias, out);
+    case 3: return skinny_linear<3, scalar_t, act>(x, weight, bias, out);
+    default: return skinny_linear<4, scalar_t, act>(x, weight, bias, out);
   }
 }
 
@@ -72,7 +112,7 @@ void tiled_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
       // Contiguous [rows, cols] views of the buffers, so the epilogue reads them densely.
       at::Tensor b = buf.view(-1).narrow(0, 0, rows * cols).view({rows, cols});
       at::mm_out(b, xs, weight.narrow(0, c0, cols).t());
-      epilogue<scalar_t, act>(b.data_ptr<scalar_t>(), nullptr, cols, rows, cols,
+      epilogue<act, scalar_t, scalar_t>(b.data_ptr<scalar_t>(), nullptr, cols, rows, cols,
                               bias_ptr ? bias_ptr + c0 : nullptr, nullptr, out_ptr + r0 * N + c0,
                               N);
     }
@@ -90,7 +130,7 @@ void gemm_silu_and_mul(const at::Tensor& x, const at::Tensor& weight, const at::
   const scalar_t* y_ptr = y.data_ptr<scalar_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   at::parallel_for(0, T, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
-    epilogue<scalar_t, Activation::kSiluAndMul>(y_ptr + begin * 2 * I, y_ptr + begin * 2 * I + I,
+    epilogue<Activation::kSiluAndMul, scalar_t, scalar_t>(y_ptr + begin * 2 * I, y_ptr + begin * 2 * I + I,
                                                 2 * I, end - begin, I, nullptr, nullptr,
                                                 out_ptr + begin * I, I);
   });
@@ -102,24 +142,32 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
   const Activation act = parse_activation(activation);
   check_linear_inputs(x_in, weight_in, bias_in, act);
   const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
+  const int64_t T = x.size(0);
   const int64_t n_out = act == Activation::kSiluAndMul ? weight.size(0) / 2 : weight.size(0);
-  if (act == Activation::kNone) {
+  if (act == Activation::kNone && T > kSkinnyMaxT) {
     return bias_in ? at::addmm(*bias_in, x, weight.t()) : at::mm(x, weight.t());
   }
-  at::Tensor out = at::empty({x.size(0), n_out}, x.options());
-  if (x.size(0) == 0 || n_out == 0) return out;
+  at::Tensor out = at::empty({T, n_out}, x.options());
+  if (T == 0 || n_out == 0) return out;
   const at::Tensor bias = bias_in ? bias_in->contiguous() : at::Tensor();
-  const at::Tensor* bias_ptr = bias_in ? &bias : nullptr;
   ORCA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "packed_linear", [&] {
+    const scalar_t* bias_ptr = bias_in ? bias.data_ptr<scalar_t>() : nullptr;
+    if (T <= kSkinnyMaxT) {
+      switch (act) {
+        case Activation::kNone: return dispatch_skinny<scalar_t, Activation::kNone>(x, weight, bias_ptr, out);
+        case Activation::kGeluTanh: return dispatch_skinny<scalar_t, Activation::kGeluTanh>(x, weight, bias_ptr, out);
+        case Activation::kRelu: return dispatch_skinny<scalar_t, Activation::kRelu>(x, weight, bias_ptr, out);
+        case Activation::kSiluAndMul: return dispatch_skinny<scalar_t, Activation::kSiluAndMul>(x, weight, bias_ptr, out);
+      }
+    }
+    const at::Tensor* bias_t = bias_in ? &bias : nullptr;
     switch (act) {
       case Activation::kGeluTanh:
-        tiled_linear<scalar_t, Activation::kGeluTanh>(x, weight, bias_ptr, out);
-        break;
+        return tiled_linear<scalar_t, Activation::kGeluTanh>(x, weight, bias_t, out);
       case Activation::kRelu:
-        tiled_linear<scalar_t, Activation::kRelu>(x, weight, bias_ptr, out);
-        break;
+        return tiled_linear<scalar_t, Activation::kRelu>(x, weight, bias_t, out);
       default:
-        gemm_silu_and_mul<scalar_t>(x, weight, bias_ptr, out);
+        return gemm_silu_and_mul<scalar_t>(x, weight, bias_t, out);
     }
   });
   return out;

@@ -10,12 +10,12 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
 #include "orca/cpu/math.h"
+#include "orca/cpu/vec.h"
 
 namespace orca::cpu {
 
@@ -64,17 +64,6 @@ struct Partials {
 
 constexpr int kKvTile = 32;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// 16 floats: one AVX-512 register or two AVX2 ones (GCC/Clang vector extension).
-typedef float vec16 __attribute__((vector_size(64)));
-
-inline vec16 load16(const float* p) {
-  vec16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 struct AttentionScratch {
   std::vector<float> q, acc, k_t, v, m, l;
@@ -135,14 +124,6 @@ inline void tile_update(const float* const* q, const float* k_t, const float* v,
     if (visible[r] <= 0) continue;  // untouched (alpha may be 0 for a row with m = -inf)
     for (int c = 0; c < kNV; ++c) store16(acc[r] + 16 * c, a[r][c]);
   }
-}
-
-inline float hsum(vec16 v) {
-  float t[16];
-  store16(t, v);
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += t[i];
-  return s;
 }
 
 // A K or V row as float32: the cache row itself for float caches, else converted into tmp.
