@@ -176,18 +176,20 @@ class HTTPBackend:
     each chunk's ``logprobs.tokens`` says how many tokens it carries."""
 
     def __init__(self, url: str, model: str | None = None, timeout: float = 3600.0,
-                 logprobs: bool = True) -> None:
+                 logprobs: bool = True, transport: Any = None) -> None:
         self.url = url.rstrip("/")
         self.model = model
         self.timeout = timeout
         self.logprobs = logprobs
+        self.transport = transport  # an httpx transport (tests: httpx.ASGITransport(app))
         self.client: Any = None  # an httpx.AsyncClient while a run is open
 
     async def open(self) -> None:
         import httpx
 
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        self.client = httpx.AsyncClient(timeout=self.timeout, limits=limits)
+        self.client = httpx.AsyncClient(timeout=self.timeout, limits=limits,
+                                        transport=self.transport)
 
     async def model_name(self) -> str:
         if self.model is None:

@@ -98,10 +98,12 @@ class AsyncEngine:
         return self.engine.stats()
 
     def shutdown(self) -> None:
-        """Stop the loop after its current step; open streams get EngineDeadError."""
+        """Stop the loop after its current step (open streams get EngineDeadError), then the
+        engine's executor (a distributed one stops its workers)."""
         self._stopping = True
         self._wake.set()
         self._thread.join()
+        self.engine.shutdown()
 
     def _check_alive(self) -> None:
         if self._error is not None:

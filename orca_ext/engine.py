@@ -90,6 +90,7 @@ class Engine:
             self._executor = executor
         else:
             raise ValueError("num_batches_in_flight > 1 needs an executor with submit/collect")
+        self.executor = executor
         self.scheduler = scheduler
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
@@ -147,6 +148,12 @@ class Engine:
                 del self._sequences[seq.request.request_id]
             group.metrics.finish_time = time.time()
             return self._output(group)
+
+    def shutdown(self) -> None:
+        """Release the executor's resources (a distributed executor stops its workers)."""
+        shutdown = getattr(self.executor, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def has_unfinished(self) -> bool:
         return bool(self._groups) or self.scheduler.num_batches_in_flight > 0

@@ -15,6 +15,7 @@ from .sampling_params import SamplingParams
 from .scheduler import SchedulerConfig, make_scheduler
 
 if TYPE_CHECKING:
+    from .distributed import ParallelConfig
     from .model import LoadedModel
 
 Prompt = str | list[int]
@@ -24,15 +25,29 @@ def build_engine(model: str | LoadedModel, *, dtype: torch.dtype | str = "float3
                  device: torch.device | str | None = None, max_batch_size: int = 32,
                  kv_cache_tokens: int | None = None, kv_cache_memory: int | None = None,
                  block_size: int = 16, policy: str = "orca",
-                 max_num_batched_tokens: int | None = None) -> Engine:
+                 max_num_batched_tokens: int | None = None, tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1,
+                 parallel_config: ParallelConfig | None = None) -> Engine:
     """Load ``model`` (a built-in name or a Hugging Face folder; or take a loaded one, with its
     own dtype and device) and wire allocator, KV cache, runner and scheduler into an Engine.
-    Without a KV budget, the cache holds ``max_batch_size`` full-context requests."""
+    Without a KV budget, the cache holds ``max_batch_size`` full-context requests.
+
+    With ``tensor_parallel_size`` x ``pipeline_parallel_size`` > 1 (or a ``parallel_config``, for
+    more nodes, the stage-to-layer map, threads), the model runs on worker processes that this
+    call starts (see ``orca_ext.distributed``); ``Engine.shutdown`` stops them."""
     # Imported here so that ``import orca_ext`` stays light.
     from .executor import KVCache, ModelRunner, num_kv_blocks
     from .kv import SlotAllocator
     from .model import load_model
 
+    parallel = _parallel_config(tensor_parallel_size, pipeline_parallel_size, parallel_config)
+    if parallel is not None:
+        from .distributed import build_distributed_engine
+
+        return build_distributed_engine(
+            model, parallel, dtype=dtype, device=device, max_batch_size=max_batch_size,
+            kv_cache_tokens=kv_cache_tokens, kv_cache_memory=kv_cache_memory,
+            block_size=block_size, policy=policy, max_num_batched_tokens=max_num_batched_tokens)
     config = SchedulerConfig(policy, max_batch_size, 1, max_num_batched_tokens)
     if isinstance(model, str):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -59,12 +74,26 @@ class LLM:
                  max_batch_size: int = 32, kv_cache_tokens: int | None = None,
                  kv_cache_memory: int | None = None, block_size: int = 16, policy: str = "orca",
                  max_num_batched_tokens: int | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1,
+                 parallel_config: ParallelConfig | None = None) -> None:
         self.engine = build_engine(
             model, dtype=dtype, device=device, max_batch_size=max_batch_size,
             kv_cache_tokens=kv_cache_tokens, kv_cache_memory=kv_cache_memory,
-            block_size=block_size, policy=policy, max_num_batched_tokens=max_num_batched_tokens)
+            block_size=block_size, policy=policy, max_num_batched_tokens=max_num_batched_tokens,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size, parallel_config=parallel_config)
         self._next_id = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes, if it has any (also done at exit)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -104,6 +133,21 @@ class LLM:
                     bar.set_postfix_str(
                         f"output {num_tokens / (time.perf_counter() - start):.1f} tok/s")
         return [done[request_id] for request_id in ids]
+
+
+def _parallel_config(tp: int, pp: int,
+                     config: ParallelConfig | None) -> ParallelConfig | None:
+    """The distributed layout asked for, or None for the in-process runner."""
+    if config is None:
+        if tp == 1 and pp == 1:
+            return None
+        from .distributed import ParallelConfig
+
+        config = ParallelConfig(tp, pp)
+    elif (tp, pp) not in ((1, 1), (config.tensor_parallel_size, config.pipeline_parallel_size)):
+        raise ValueError("tensor_parallel_size / pipeline_parallel_size disagree with "
+                         "parallel_config")
+    return config
 
 
 def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

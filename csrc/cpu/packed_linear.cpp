@@ -1,9 +1,9 @@
 // packed_linear on CPU: y = act(x @ W^T + b) over packed tokens.
 // Up to kSkinnyMaxT tokens, a dot-product kernel streams the weights once with the epilogue
 // fused. Beyond that, without an activation the bias rides in BLAS's beta term (one addmm
-// call, like F.linear); with gelu_tanh / relu the output is computed in cache-sized tiles: each tile's GEMM writes a thread-local
-// buffer and the epilogue (bias + activation, or silu(gate) * up) turns it into the final
-// output while it is still in cache, so the output is written exactly once.
+// call, like F.linear); with gelu_tanh / relu the output is computed in cache-sized tiles, each
+// tile's GEMM writing a thread-local buffer that the epilogue turns into the final output
+// while it is still in cache; silu_and_mul is one GEMM plus one fused pass.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

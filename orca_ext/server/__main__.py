@@ -87,7 +87,42 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds one engine step may take before /health reports 503")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    d = p.add_argument_group("distributed execution (docs/distributed.md)")
+    d.add_argument("--tensor-parallel-size", "--tp", type=_positive, default=1,
+                   help="split each layer over this many workers (default 1)")
+    d.add_argument("--pipeline-parallel-size", "--pp", type=_positive, default=1,
+                   help="split the layers into this many pipeline stages (default 1)")
+    d.add_argument("--pipeline-layers", type=_int_list, default=None,
+                   help="layers per stage, e.g. 3,5 (default: an even split)")
+    d.add_argument("--worker-threads", type=_positive, default=None,
+                   help="CPU threads per worker (default: cores / workers on the node)")
+    d.add_argument("--nnodes", type=_positive, default=1, help="machines taking part (default 1)")
+    d.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's rank; node 0 runs the engine and the server, the others "
+                   "only workers")
+    d.add_argument("--master-addr", default="127.0.0.1",
+                   help="node 0's address, reachable from every node (default 127.0.0.1)")
+    d.add_argument("--master-port", type=_port, default=None,
+                   help="rendezvous port on node 0 (default: 29500 with several nodes, else free)")
     return p
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}")
+
+
+def _parallel_config(args: argparse.Namespace) -> Any:
+    from ..distributed import ParallelConfig
+
+    port = args.master_port
+    if port is None:
+        port = 29500 if args.nnodes > 1 else 0
+    return ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size,
+                          args.pipeline_layers, args.nnodes, args.node_rank, args.master_addr,
+                          port, args.worker_threads)
 
 
 class _UvicornServer:
@@ -129,6 +164,11 @@ def _summary(loaded: Any, engine: Any) -> list[str]:
     from ..executor.kv_cache import kv_bytes_per_block
 
     config = loaded.config
+    describe = getattr(engine.executor, "describe", None)
+    if describe is not None:  # a distributed engine: this process holds no weights
+        scheduler = engine.scheduler.config
+        return [*describe(), f"policy {scheduler.policy}, max batch size "
+                f"{scheduler.max_batch_size}, {scheduler.num_batches_in_flight} batches in flight"]
     params = sum(p.numel() for p in loaded.model.parameters())
     allocator = engine.scheduler.allocator
     kv_bytes = kv_bytes_per_block(config, allocator.block_size, loaded.dtype) \
@@ -192,6 +232,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         else args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        parallel = _parallel_config(args)
+    except ValueError as exc:
+        print(f"orca-serve: error: {exc}", file=sys.stderr)
+        return 2
+    if parallel.node_rank > 0:  # workers only: node 0 runs the engine and the server
+        from ..distributed import run_node
+
+        return run_node(parallel)
+    try:
         import fastapi  # noqa: F401
         import grpc  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -205,19 +254,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from ..async_engine import AsyncEngine
     from ..llm import build_engine
-    from ..model import load_model
+    from ..distributed import WorkerError
+    from ..model import load_model, load_model_info
     from .core import ServingCore
 
     try:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        loaded = load_model(args.model, args.dtype, device)
-        engine = build_engine(loaded, max_batch_size=args.max_batch_size,
+        if parallel.enabled:  # the workers load the weights; this process only the tokenizer
+            loaded = load_model_info(args.model)
+        else:
+            loaded = load_model(args.model, args.dtype, device)
+        http_sock = _bind(args.host, args.port)
+        engine = build_engine(args.model if parallel.enabled else loaded, dtype=args.dtype,
+                              device=device, max_batch_size=args.max_batch_size,
                               kv_cache_tokens=args.kv_cache_tokens,
                               kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                               policy=args.policy,
-                              max_num_batched_tokens=args.max_num_batched_tokens)
-        http_sock = _bind(args.host, args.port)
-    except (ValueError, FileNotFoundError, OSError) as exc:
+                              max_num_batched_tokens=args.max_num_batched_tokens,
+                              parallel_config=parallel if parallel.enabled else None)
+    except (ValueError, FileNotFoundError, OSError, WorkerError) as exc:
         print(f"orca-serve: error: {exc}", file=sys.stderr)
         return 2
     eos = loaded.eos_token_ids[0] if loaded.eos_token_ids else None
