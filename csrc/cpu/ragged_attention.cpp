@@ -18,7 +18,6 @@ using cpu::AttentionWork;
 
 constexpr int64_t kMaxRowsPerItem = 64;  // query rows (queries x group heads) per item
 constexpr int64_t kMinSplitKv = 256;     // never split KV ranges below this many positions
-constexpr int64_t kDirectRows = 8;       // query rows per head up to which an item is decode-like
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
@@ -64,7 +63,7 @@ Plan make_plan(const AttentionShape& s, const int32_t* cu, const int32_t* ctx) {
       const int64_t kv_end = first_pos + qe;
       // Decode-like items take all KV heads (the cache is read front to back, and the work
       // is memory-bound); prefill blocks take one head each (compute-bound, more items).
-      const int64_t heads = (qe - qb) * G <= kDirectRows ? s.num_kv_heads : 1;
+      const int64_t heads = (qe - qb) * G <= cpu::kMaxDirectRows ? s.num_kv_heads : 1;
       // Gathering a KV tile costs about as much as a few query rows of math on it.
       const double cost = static_cast<double>(kv_end) * heads * ((qe - qb) * G + 8);
       for (int64_t h = 0; h < s.num_kv_heads; h += heads) {

@@ -63,10 +63,12 @@ struct Partials {
 };
 
 constexpr int kKvTile = 32;
+// Query rows per KV head up to which an item is decode-like (read in place, all heads at once).
+constexpr int64_t kMaxDirectRows = 8;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct AttentionScratch {
-  std::vector<float> q, acc, k_t, v, m, l;
+  std::vector<float> q, acc, k_t, v, m, l, p;
 };
 
 // Rows of queries processed together against one KV tile: enough to reuse each K/V load
@@ -137,60 +139,62 @@ inline const float* float_row(const scalar_t* src, float* tmp) {
   }
 }
 
-// tile_update for few query rows (decode): reads each K/V row straight from the cache
-// (one dot product per row pair) instead of gathering and transposing the tile first.
-template <int kD, int kR, typename scalar_t>
-inline void tile_update_direct(const float* const* q, const scalar_t* const* k_rows,
-                               const scalar_t* const* v_rows, int64_t nt,
-                               const int64_t* visible, float* const* acc, float* m, float* l) {
+// One KV tile for decode-like items (few query rows per head), all of the item's heads at
+// once: K/V rows are read in place in cache order (token by token, each token's heads
+// adjacent), with no gather. q_rows holds each head's rows in order ([heads][head_rows][kD]).
+template <int kD, typename scalar_t>
+inline void direct_tile(const scalar_t* k_tile, const scalar_t* v_tile,
+                        const int64_t* slot_offset, int64_t nt, int64_t num_heads,
+                        int64_t head_rows, const int64_t* visible, AttentionScratch& sc) {
   constexpr int kNV = kD / 16;
+  const int64_t rows = num_heads * head_rows;
+  float* p = sc.p.data();  // [rows][kKvTile]
   alignas(64) float tmp[kD];
-  vec16 qv[kR][kNV];
-  for (int r = 0; r < kR; ++r) {
-    for (int c = 0; c < kNV; ++c) qv[r][c] = load16(q[r] + 16 * c);
-  }
-  float p[kR][kKvTile];
   for (int64_t j = 0; j < nt; ++j) {
-    const float* k = float_row<kD>(k_rows[j], tmp);
-    vec16 kv[kNV];
-    for (int c = 0; c < kNV; ++c) kv[c] = load16(k + 16 * c);
-    for (int r = 0; r < kR; ++r) {
-      vec16 t = qv[r][0] * kv[0];
-      for (int c = 1; c < kNV; ++c) t += qv[r][c] * kv[c];
-      p[r][j] = hsum(t);
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const float* k = float_row<kD>(k_tile + slot_offset[j] + h * kD, tmp);
+      vec16 kv[kNV];
+      for (int c = 0; c < kNV; ++c) kv[c] = load16(k + 16 * c);
+      for (int64_t r = 0; r < head_rows; ++r) {
+        const float* q = sc.q.data() + (h * head_rows + r) * kD;
+        vec16 t = load16(q) * kv[0];
+        for (int c = 1; c < kNV; ++c) t += load16(q + 16 * c) * kv[c];
+        p[(h * head_rows + r) * kKvTile + j] = hsum(t);
+      }
     }
   }
-  float alpha[kR];
-  for (int r = 0; r < kR; ++r) {
+  int64_t max_visible = 0;
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t vis = visible[row % head_rows];
+    max_visible = std::max(max_visible, vis);
+    float* pr = p + row * kKvTile;
     float tile_max = kNegInf;
-    for (int64_t j = 0; j < visible[r]; ++j) tile_max = std::max(tile_max, p[r][j]);
-    const float m_new = std::max(m[r], tile_max);
-    alpha[r] = m[r] == kNegInf ? 0.f : fast_exp(m[r] - m_new);
+    for (int64_t j = 0; j < vis; ++j) tile_max = std::max(tile_max, pr[j]);
+    const float m_old = sc.m[row], m_new = std::max(m_old, tile_max);
+    const float alpha = m_old == kNegInf ? 0.f : fast_exp(m_old - m_new);
     float sum = 0.f;
     for (int64_t j = 0; j < kKvTile; ++j) {
-      p[r][j] = j < visible[r] ? fast_exp(p[r][j] - m_new) : 0.f;
-      sum += p[r][j];
+      pr[j] = j < vis ? fast_exp(pr[j] - m_new) : 0.f;
+      sum += pr[j];
     }
-    l[r] = l[r] * alpha[r] + sum;
-    m[r] = visible[r] > 0 ? m_new : m[r];
+    if (vis <= 0) continue;  // nothing visible: the row's state stays as it is
+    sc.l[row] = sc.l[row] * alpha + sum;
+    sc.m[row] = m_new;
+    float* acc = sc.acc.data() + row * kD;
+    for (int c = 0; c < kNV; ++c) store16(acc + 16 * c, load16(acc + 16 * c) * alpha);
   }
-  vec16 a[kR][kNV];
-  for (int r = 0; r < kR; ++r) {
-    for (int c = 0; c < kNV; ++c) a[r][c] = load16(acc[r] + 16 * c) * alpha[r];
-  }
-  int64_t tile_visible = 0;
-  for (int r = 0; r < kR; ++r) tile_visible = std::max(tile_visible, visible[r]);
-  for (int64_t j = 0; j < tile_visible; ++j) {
-    const float* v = float_row<kD>(v_rows[j], tmp);
-    vec16 vv[kNV];
-    for (int c = 0; c < kNV; ++c) vv[c] = load16(v + 16 * c);
-    for (int r = 0; r < kR; ++r) {
-      for (int c = 0; c < kNV; ++c) a[r][c] += p[r][j] * vv[c];
+  for (int64_t j = 0; j < max_visible; ++j) {
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const float* v = float_row<kD>(v_tile + slot_offset[j] + h * kD, tmp);
+      vec16 vv[kNV];
+      for (int c = 0; c < kNV; ++c) vv[c] = load16(v + 16 * c);
+      for (int64_t r = 0; r < head_rows; ++r) {
+        const int64_t row = h * head_rows + r;
+        const float pj = p[row * kKvTile + j];
+        float* acc = sc.acc.data() + row * kD;
+        for (int c = 0; c < kNV; ++c) store16(acc + 16 * c, load16(acc + 16 * c) + pj * vv[c]);
+      }
     }
-  }
-  for (int r = 0; r < kR; ++r) {
-    if (visible[r] <= 0) continue;
-    for (int c = 0; c < kNV; ++c) store16(acc[r] + 16 * c, a[r][c]);
   }
 }
 
@@ -244,7 +248,8 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
 
   constexpr int kR = kD > 0 ? rows_per_block<kD>() : 1;
   // Few rows per head (decode): read K/V rows in place. Many (prefill): gather each tile once.
-  const bool direct = kD > 0 && head_rows <= 2 * kR;
+  const bool direct = kD > 0 && head_rows <= kMaxDirectRows;
+  sc.p.resize(rows * kKvTile);
   int64_t slot_offset[kKvTile];
   const scalar_t* k_rows[kKvTile];
   const scalar_t* v_rows[kKvTile];
@@ -259,23 +264,29 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
     auto visible = [&](int64_t head_row) {
       return std::min<int64_t>(nt, first_pos + head_row / G - t0 + 1);
     };
-    // All heads of the item in the inner loop: a token's K/V rows for consecutive heads are
-    // adjacent in the cache, so the tile is read front to back.
+    if constexpr (kD > 0) {
+      if (direct) {
+        int64_t vis[kMaxDirectRows];
+        for (int64_t r = 0; r < head_rows; ++r) vis[r] = visible(r);
+        direct_tile<kD>(a.k_cache + w.kv_head_begin * kD, a.v_cache + w.kv_head_begin * kD,
+                        slot_offset, nt, w.kv_head_end - w.kv_head_begin, head_rows, vis, sc);
+        continue;
+      }
+    }
+    // Prefill-like items (one head each): gather the tile, then blocks of kR query rows.
     for (int64_t h = w.kv_head_begin; h < w.kv_head_end; ++h) {
       const int64_t row_base = (h - w.kv_head_begin) * head_rows;
       for (int64_t j = 0; j < nt; ++j) {
         k_rows[j] = a.k_cache + slot_offset[j] + h * D;
         v_rows[j] = a.v_cache + slot_offset[j] + h * D;
       }
-      if (!direct) {
-        // K transposed to [D, tile] so scores vectorize over the tile, V as [tile, D] so the
-        // weighted sum vectorizes over D.
-        for (int64_t j = 0; j < nt; ++j) {
-          float* vrow = sc.v.data() + j * D;
-          for (int64_t d = 0; d < D; ++d) {
-            sc.k_t[d * kKvTile + j] = static_cast<float>(k_rows[j][d]);
-            vrow[d] = static_cast<float>(v_rows[j][d]);
-          }
+      // K transposed to [D, tile] so scores vectorize over the tile, V as [tile, D] so the
+      // weighted sum vectorizes over D.
+      for (int64_t j = 0; j < nt; ++j) {
+        float* vrow = sc.v.data() + j * D;
+        for (int64_t d = 0; d < D; ++d) {
+          sc.k_t[d * kKvTile + j] = static_cast<float>(k_rows[j][d]);
+          vrow[d] = static_cast<float>(v_rows[j][d]);
         }
       }
       if constexpr (kD > 0) {
@@ -293,11 +304,7 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
             l[r] = sc.l[row];
             vis[r] = r0 + r < head_rows ? visible(r0 + r) : 0;
           }
-          if (direct) {
-            tile_update_direct<kD, kR>(q_rows, k_rows, v_rows, nt, vis, acc_rows, m, l);
-          } else {
-            tile_update<kD, kR>(q_rows, sc.k_t.data(), sc.v.data(), vis, acc_rows, m, l);
-          }
+          tile_update<kD, kR>(q_rows, sc.k_t.data(), sc.v.data(), vis, acc_rows, m, l);
           for (int r = 0; r < kR && r0 + r < head_rows; ++r) {
             sc.m[row_base + r0 + r] = m[r];
             sc.l[row_base + r0 + r] = l[r];
