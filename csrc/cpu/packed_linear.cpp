@@ -18,6 +18,7 @@ namespace {
 
 constexpr int64_t kSkinnyMaxT = 4;
 constexpr int64_t kSkinnyBlock = 64;  // output columns per task of the skinny path
+constexpr int64_t kMinParallelWeights = 1 << 18;
 constexpr int64_t kMaxTileRows = 512;
 constexpr int64_t kTileBufferElems = 128 * 1024;  // per thread, ~half of a 1 MB L2 in float32
 
@@ -61,7 +62,10 @@ void skinny_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t
   const float* x_ptr = xf.data_ptr<float>();
   const scalar_t* w = weight.data_ptr<scalar_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  at::parallel_for(0, ceil_div(N, kSkinnyBlock), 1, [&](int64_t begin, int64_t end) {
+  // Small layers stay on one thread: a fork-join costs more than it saves below ~1 MB of
+  // weights, and stalls badly when another process holds a core.
+  const int64_t grain = ceil_div(kMinParallelWeights, kSkinnyBlock * K * (half ? 2 : 1));
+  at::parallel_for(0, ceil_div(N, kSkinnyBlock), grain, [&](int64_t begin, int64_t end) {
     float y[kT * kSkinnyBlock], up[kT * kSkinnyBlock];
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n0 = blk * kSkinnyBlock, cols = std::min(kSkinnyBlock, N - n0);

@@ -18,6 +18,7 @@ using cpu::AttentionWork;
 
 constexpr int64_t kMaxRowsPerItem = 64;  // query rows (queries x group heads) per item
 constexpr int64_t kMinSplitKv = 256;     // never split KV ranges below this many positions
+constexpr double kMinParallelCost = 3e4;  // plan cost below which one thread does it all
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
@@ -48,6 +49,7 @@ struct Plan {
   std::vector<AttentionWork> items;  // in execution order (costliest first)
   std::vector<std::pair<AttentionWork, int64_t>> merges;  // first split of a group, num splits
   int64_t partial_rows = 0;
+  bool parallel = true;  // false: too little work to pay for a fork-join
 };
 
 Plan make_plan(const AttentionShape& s, const int32_t* cu, const int32_t* ctx) {
@@ -79,6 +81,7 @@ Plan make_plan(const AttentionShape& s, const int32_t* cu, const int32_t* ctx) {
   const double target = total / (4.0 * at::get_num_threads());
   std::vector<std::pair<double, AttentionWork>> items;
   Plan plan;
+  plan.parallel = total >= kMinParallelCost;
   for (const auto& g : groups) {
     const int64_t kv_end = g.work.kv_end;
     int64_t splits = std::min<int64_t>(static_cast<int64_t>(std::ceil(g.cost / target)),
@@ -109,12 +112,13 @@ Plan make_plan(const AttentionShape& s, const int32_t* cu, const int32_t* ctx) {
   return plan;
 }
 
-// Runs fn(i) for i in [0, n) on the intra-op threads, each taking the next index when it is
-// free (items have very unequal costs, so static chunks would leave a core idle).
+// Runs fn(i) for i in [0, n) on the intra-op threads (or inline when `parallel` is false), each
+// taking the next index when it is free (items have very unequal costs, so static chunks would
+// leave a core idle).
 template <typename F>
-void run_dynamic(int64_t n, const F& fn) {
+void run_dynamic(int64_t n, bool parallel, const F& fn) {
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
+  const int64_t workers = parallel ? std::min<int64_t>(n, at::get_num_threads()) : 1;
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     for (int64_t i = next++; i < n; i = next++) fn(i);
   });
@@ -123,11 +127,11 @@ void run_dynamic(int64_t n, const F& fn) {
 template <typename scalar_t, int kD>
 void run_attention(const cpu::AttentionArgs<scalar_t>& args, const Plan& plan,
                    const cpu::Partials& part) {
-  run_dynamic(static_cast<int64_t>(plan.items.size()), [&](int64_t i) {
+  run_dynamic(static_cast<int64_t>(plan.items.size()), plan.parallel, [&](int64_t i) {
     thread_local cpu::AttentionScratch scratch;
     cpu::attend<kD>(args, plan.items[i], scratch, part);
   });
-  run_dynamic(static_cast<int64_t>(plan.merges.size()), [&](int64_t i) {
+  run_dynamic(static_cast<int64_t>(plan.merges.size()), plan.parallel, [&](int64_t i) {
     cpu::merge_partials(args, plan.merges[i].first, plan.merges[i].second, part);
   });
 }

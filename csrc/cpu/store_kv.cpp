@@ -2,6 +2,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "checks.h"
@@ -27,7 +28,8 @@ void store_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_
     const auto* base = static_cast<const char*>(src.data_ptr());
     auto* dst = static_cast<char*>(cache.data_ptr());
     const int64_t st = src.stride(0) * src.element_size(), sh = src.stride(1) * src.element_size();
-    at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    // One thread unless there is enough to copy to pay for a fork-join (~64K elements).
+    at::parallel_for(0, T, std::max<int64_t>(1, 65536 / (H * D)), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         if (slot[t] < 0) continue;
         for (int64_t h = 0; h < H; ++h) {
