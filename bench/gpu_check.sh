@@ -59,5 +59,21 @@ step "CUDA op benchmarks: bench/ops_cuda.py"
     2>&1 | tee "$OUT/ops_cuda.txt"
 [[ ${PIPESTATUS[0]} -eq 0 ]] || { STATUS=1; step "BENCHMARKS FAILED"; }
 
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+step "distributed (NCCL, one worker per GPU): tests/test_distributed.py -k cuda ($NGPU GPUs)"
+(cd "$RUN_DIR" && timeout 150 "$PY" -m pytest -q -p no:cacheprovider \
+    "$ROOT/tests/test_distributed.py" -k cuda) >"$OUT/pytest_distributed.log" 2>&1
+RC=$?
+tail -n 15 "$OUT/pytest_distributed.log"
+[[ $RC -eq 0 ]] || { STATUS=1; step "DISTRIBUTED TESTS FAILED (rc $RC, see pytest_distributed.log)"; }
+if (( NGPU >= 2 )); then
+  for LAYOUT in "--tp 2" "--pp 2"; do
+    step "distributed benchmark: bench/engine.py --device cuda $LAYOUT"
+    (cd "$RUN_DIR" && timeout 120 "$PY" "$ROOT/bench/engine.py" --device cuda --policies orca $LAYOUT) \
+        2>&1 | tee -a "$OUT/distributed.txt"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || { STATUS=1; step "DISTRIBUTED BENCHMARK FAILED ($LAYOUT)"; }
+  done
+fi
+
 step "done (status $STATUS); results in $OUT"
 exit $STATUS
