@@ -33,6 +33,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -324,13 +325,43 @@ def summarize(records: Sequence[RequestRecord], duration: float) -> dict[str, An
     }
 
 
+class OtherCpu:
+    """CPU time used by other processes while a run lasts, in cores (Linux ``/proc``; None
+    elsewhere): how noisy a measurement on a shared machine was. In HTTP mode the server is one
+    of the others."""
+
+    def __init__(self) -> None:
+        self._start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, int, int] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+            with open("/proc/self/stat") as f:
+                mine = f.read().rsplit(")", 1)[1].split()
+        except (OSError, ValueError, IndexError):
+            return None
+        busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # - idle, iowait
+        return time.monotonic(), busy, int(mine[11]) + int(mine[12])  # utime + stime
+
+    def cores(self) -> float | None:
+        end = self._read()
+        if end is None or self._start is None or end[0] <= self._start[0]:
+            return None
+        ticks = os.sysconf("SC_CLK_TCK")
+        others = (end[1] - self._start[1]) - (end[2] - self._start[2])
+        return max(others, 0) / ticks / (end[0] - self._start[0])
+
+
 def measure(backend: Backend, spec: WorkloadSpec, num_requests: int, rate: float,
             seed: int = 0) -> tuple[dict[str, Any], list[RequestRecord]]:
     """One point: run the stream for ``(spec, num_requests, rate, seed)`` and summarize it."""
     requests = make_requests(spec, num_requests, rate, seed)
+    monitor = OtherCpu()
     records, duration = asyncio.run(run_requests(backend, requests))
     summary = summarize(records, duration)
-    return {"rate": rate, **summary}, records
+    return {"rate": rate, **summary, "other_cpu": monitor.cores()}, records
 
 
 def warmup(backend: Backend, spec: WorkloadSpec, num_requests: int = 2) -> None:
@@ -347,16 +378,22 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f}" if seconds >= 0.01 else f"{seconds * 1e3:.1f}"
 
 
+def _cores(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def format_table(points: Sequence[dict[str, Any]], label: str = "") -> str:
-    """One row per point: throughputs, then p50/p90/p99 of each latency metric (ms)."""
+    """One row per point: throughputs, p50/p90/p99 of each latency metric (ms), and the cores
+    other processes used meanwhile (``others``: noise on a shared machine)."""
     lines = [f"{'':<9}{'rate':>7}{'done':>7}{'req/s':>8}{'out tok/s':>10}"
-             + "".join(f"{name + ' p50/90/99 ms':>27}" for name in METRICS)]
+             + "".join(f"{name + ' p50/90/99 ms':>27}" for name in METRICS) + "  others"]
     for p in points:
         cells = "".join(f"{'/'.join(_ms(p[name][f'p{q}']) for q in PERCENTILES):>27}"
                         for name in METRICS)
         done = f"{p['completed']}/{p['num_requests']}"
         lines.append(f"{p.get('policy', label):<9}{p['rate']:>7.2f}{done:>7}"
-                     f"{p['request_throughput']:>8.2f}{p['output_throughput']:>10.1f}{cells}")
+                     f"{p['request_throughput']:>8.2f}{p['output_throughput']:>10.1f}{cells}"
+                     f"{_cores(p.get('other_cpu')):>8}")
     return "\n".join(lines)
 
 
