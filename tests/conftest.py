@@ -14,3 +14,12 @@ DEVICES = [
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny batches gain nothing from threads, and spinning ones crawl on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

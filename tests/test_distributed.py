@@ -33,12 +33,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 ENGINE_ARGS = dict(max_batch_size=2, kv_cache_tokens=1024, block_size=8)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 model_lib = pytest.importorskip("orca_ext.model", reason="model side not importable")
 
@@ -18,13 +17,7 @@ PROMPTS = ["Hello, my name is", "The capital of France is", "a" * 40, "Orca", "x
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny batches gain nothing from threads, and spinning ones crawl on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
