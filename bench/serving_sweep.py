@@ -18,8 +18,8 @@ How it runs (in-process: one loaded model, an AsyncEngine per policy):
    at the lowest rate: past saturation more points only add queueing. A point during which
    other processes used more than ``--noisy-cores`` of CPU is measured again (``--retries``).
 3. Throughput at equal latency: for a limit ``L`` on median normalized latency, the throughput
-   a policy sustains is the highest measured throughput with latency <= L, linearly
-   interpolated up to where its curve crosses L. Limits are ``--latency-factors`` times the
+   a policy sustains is the highest measured throughput before the first rate whose latency
+   exceeds L, linearly interpolated up to that crossing. Limits are ``--latency-factors`` times the
    lowest median normalized latency measured (the unloaded engine); the table gives each
    policy's sustained throughput and its ratio to ``request``. A second table does the same
    on the p90 (``--ratio-percentiles``), where request-level batching hurts most.
@@ -96,8 +96,8 @@ def run_sweep(loaded: Any, policies: Sequence[str], spec: serving.WorkloadSpec,
             serving.warmup(backends[policy], spec)
         capacity, rates = None, args.rates
         if rates is None:
-            point, _ = serving.measure(backends["orca"], spec, args.capacity_requests, math.inf,
-                                       args.seed)
+            point = measure_quietly(backends["orca"], spec, args.capacity_requests, math.inf,
+                                    args)
             capacity = point["request_throughput"]
             rates = [capacity * f for f in args.load_fractions]
             print(f"orca capacity: {capacity:.2f} req/s, {point['output_throughput']:.0f} "
@@ -128,26 +128,23 @@ def run_sweep(loaded: Any, policies: Sequence[str], spec: serving.WorkloadSpec,
 
 def sustained(points: Sequence[dict[str, Any]], limit: float,
               percentile: str = "p50") -> tuple[float | None, bool]:
-    """Throughput a policy sustains with normalized latency (at ``percentile``) <= ``limit``:
-    (req/s or None if no point meets it, True if the curve never crossed the limit so the value
-    is a lower bound)."""
-    def y(point: dict[str, Any]) -> float:
-        return norm_p50(point, percentile)
-
-    best: float | None = None
-    crossed = False
+    """Throughput a policy sustains with normalized latency (at ``percentile``) <= ``limit``, up
+    to the first rate that breaks it (interpolated linearly to the crossing; a noisy dip at a
+    higher rate does not count): (req/s, or None if even the lowest rate breaks it; True if no
+    rate broke it, so the value is a lower bound)."""
     ordered = sorted(points, key=lambda p: p["rate"])
+    best: float | None = None
     for i, p in enumerate(ordered):
-        if y(p) > limit:
-            crossed = True
-            continue
+        y = norm_p50(p, percentile)
+        if y > limit:
+            if i == 0:
+                return None, False
+            prev = ordered[i - 1]
+            y0, x0 = norm_p50(prev, percentile), prev["request_throughput"]
+            x = x0 + (limit - y0) / (y - y0) * (p["request_throughput"] - x0)
+            return max(best or 0.0, x), False
         best = max(best or 0.0, p["request_throughput"])
-        if i + 1 < len(ordered) and y(ordered[i + 1]) > limit:  # interpolate the crossing
-            q = ordered[i + 1]
-            t = (limit - y(p)) / (y(q) - y(p))
-            x = p["request_throughput"] + t * (q["request_throughput"] - p["request_throughput"])
-            best = max(best, x)
-    return best, best is not None and not crossed
+    return best, best is not None
 
 
 def ratio_table(points: Sequence[dict[str, Any]], policies: Sequence[str],

@@ -103,3 +103,5 @@ def test_sustained_throughput_interpolates_the_crossing() -> None:
     assert serving_sweep.sustained(curve, 0.040) == (pytest.approx(2.25), False)
     assert serving_sweep.sustained(curve, 0.100) == (2.5, True)  # never crossed: a lower bound
     assert serving_sweep.sustained(curve, 0.005) == (None, False)
+    dip = [point(1, 1.0, 0.010), point(2, 2.0, 0.050), point(3, 3.0, 0.020)]
+    assert serving_sweep.sustained(dip, 0.030) == (pytest.approx(1.5), False)  # first crossing
