@@ -99,6 +99,7 @@ class Engine:
         self.num_generated_tokens = 0
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[int, _Sequence] = {}
+        self._held: list[_Group] = []  # finished, returned when the batch drains (holds_outputs)
         self._next_id = itertools.count()
         self._lock = threading.Lock()
 
@@ -106,7 +107,8 @@ class Engine:
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
                     stream: bool = True) -> None:
         """Queue a request. Bad input raises ValueError naming the field, and changes nothing.
-        With ``stream`` False, ``step`` reports the request only once it has finished."""
+        With ``stream`` False (or a scheduler that ``holds_outputs``), ``step`` reports the
+        request only once it has finished."""
         prompt_text, prompt_ids = self._tokenize(prompt)
         params = self._check_params(params)
         # vLLM's rule: prompt + output <= max_model_len, but always at least one new token.
@@ -143,6 +145,8 @@ class Engine:
             group = self._groups.pop(request_id, None)
             if group is None:
                 return None
+            if group in self._held:
+                self._held.remove(group)
             for seq in group.sequences:
                 self.scheduler.abort(seq.request.request_id)
                 del self._sequences[seq.request.request_id]
@@ -168,7 +172,8 @@ class Engine:
         for batch in batches:
             self._executor.submit(batch)
         if not self.scheduler.num_batches_in_flight:
-            return []
+            with self._lock:
+                return self._release_held(time.time())
         result = self._executor.collect()
         with self._lock:
             return self._process(result)
@@ -221,16 +226,30 @@ class Engine:
             self._append(seq, request.output_token_ids[-1], logprobs[request.request_id])
             self.num_generated_tokens += 1
         outputs = []
+        holds = self.scheduler.holds_outputs
         for group in touched.values():
-            finished = all(seq.request.finished for seq in group.sequences)
-            if finished:
-                group.metrics.finish_time = now
-                del self._groups[group.request_id]
-                for seq in group.sequences:
-                    del self._sequences[seq.request.request_id]
-            if finished or group.stream:
+            if all(seq.request.finished for seq in group.sequences):
+                if holds:
+                    self._held.append(group)
+                else:
+                    outputs.append(self._end(group, now))
+            elif group.stream and not holds:
                 outputs.append(self._output(group))
-        return outputs
+        return outputs + self._release_held(now)
+
+    def _release_held(self, now: float) -> list[RequestOutput]:
+        """The held finished requests, once the batch they ran in has drained."""
+        if not self._held or self.scheduler.running:
+            return []
+        held, self._held = self._held, []
+        return [self._end(group, now) for group in held]
+
+    def _end(self, group: _Group, now: float) -> RequestOutput:
+        group.metrics.finish_time = now
+        del self._groups[group.request_id]
+        for seq in group.sequences:
+            del self._sequences[seq.request.request_id]
+        return self._output(group)
 
     def _append(self, seq: _Sequence, token_id: int, logprobs: TokenLogprobs | None) -> None:
         request = seq.request

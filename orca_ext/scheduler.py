@@ -61,6 +61,10 @@ class SchedulerStats:
 class Scheduler:
     """The request pool and the batches in flight; a policy's ``_select`` picks each batch."""
 
+    # True: the engine returns a finished request only once no request is running (the batch
+    # has drained), as request-level batching does.
+    holds_outputs = False
+
     def __init__(self, config: SchedulerConfig, allocator: SlotAllocator) -> None:
         self.config = config
         self.allocator = allocator
@@ -104,7 +108,9 @@ class Scheduler:
     def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """End ``request`` (or relabel it if it has ended already) and free its KV, which a
         request inside a batch still running keeps until that batch returns."""
-        if not request.finished:
+        ended = request.finished
+        request.finish_reason, request.stop_reason = reason, stop_reason
+        if not ended:
             if request in self.running:
                 self.running.remove(request)
             else:
@@ -112,7 +118,6 @@ class Scheduler:
             del self.requests[request.request_id]
             if not request.in_flight:
                 self._release(request)
-        request.finish_reason, request.stop_reason = reason, stop_reason
 
     def schedule(self) -> SchedulerOutput:
         """The next batch; it has no requests when nothing can run (or the pipeline is full)."""
@@ -202,17 +207,43 @@ class OrcaScheduler(Scheduler):
 
 
 class RequestLevelScheduler(Scheduler):
-    """The request-level batching baseline: a new batch is admitted (as under Orca) only once
-    every request of the previous one has finished."""
+    """Request-level batching as in Orca's baseline (FasterTransformer): a batch runs as a unit.
+
+    A new batch is admitted (KV reserved as under Orca) only once every request of the previous
+    one has finished. A request that finishes early keeps its row until then: it recomputes its
+    last token each iteration (the work a static batch wastes on finished rows; its result is
+    dropped) and keeps its KV, and the engine returns its output only when the batch drains
+    (``holds_outputs``). Prompts are not padded, which favors this baseline.
+    """
+
+    holds_outputs = True
+
+    def __init__(self, config: SchedulerConfig, allocator: SlotAllocator) -> None:
+        super().__init__(config, allocator)
+        self._finished_rows: list[Request] = []  # finished, held until the batch drains
 
     def _select(self) -> Picked:
-        if not self.running:
+        if not self.running and not self._finished_rows:
             while self.waiting and len(self.running) < self.config.max_batch_size:
                 request = self.waiting[0]
                 if not self._admit(request, request.max_total_tokens):
                     break
-        return [(r, r.num_tokens - r.num_computed) for r in self.running if not r.in_flight]
+        # A finished row runs its last token again at the same position (into its own slot).
+        return ([(r, r.num_tokens - r.num_computed) for r in self.running if not r.in_flight]
+                + [(r, 1) for r in self._finished_rows if not r.in_flight])
 
+    def _release(self, request: Request) -> None:
+        if self.running and request.finish_reason != "abort":
+            if request not in self._finished_rows:
+                self._finished_rows.append(request)
+            return
+        if request in self._finished_rows:
+            self._finished_rows.remove(request)
+        super()._release(request)
+        if not self.running:  # the batch has drained: its held rows go
+            for held in [r for r in self._finished_rows if not r.in_flight]:
+                self._finished_rows.remove(held)
+                super()._release(held)
 
 class PagedScheduler(Scheduler):
     """KV blocks are allocated as tokens arrive; when they run out, the latest-arrived running

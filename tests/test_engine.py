@@ -109,6 +109,45 @@ def test_finished_request_returns_and_frees_kv_at_its_iteration():
     assert engine.stats().num_requests == 1
 
 
+def test_request_level_batch_runs_as_a_unit():
+    """FasterTransformer-style request-level batching: a finished request keeps its row (its last
+    token recomputed at the same position) and its KV until the batch drains, and is returned
+    only then; the next batch starts after that."""
+    engine = make_engine("request", block_size=1)
+    engine.add_request("long", prompt_ids(1, 5), SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.add_request("short", prompt_ids(2, 5), SamplingParams(max_tokens=3, ignore_eos=True))
+    steps = [engine.step() for _ in range(3)]
+    assert steps == [[], [], []]  # nothing streams, and "short" (done now) is held
+    assert engine.scheduler.allocator.num_used_blocks == (5 + 30) + (5 + 3)
+    engine.add_request("late", prompt_ids(3, 5), SamplingParams(max_tokens=2, ignore_eos=True))
+    returned = {}
+    while "long" not in returned:
+        returned = {out.request_id: out for out in engine.step()}
+    assert sorted(returned) == ["long", "short"]  # in the same step
+    assert returned["short"].outputs[0].token_ids == reference(prompt_ids(2, 5), 3, VOCAB)
+    assert returned["long"].outputs[0].token_ids == reference(prompt_ids(1, 5), 30, VOCAB)
+    short_id = 1  # internal ids follow arrival
+    rows = [r for b in engine.executor.batches for r in b.requests if r.request_id == short_id]
+    assert len(rows) == 30  # one per iteration of the batch: prompt, 2 decodes, 27 held rows
+    short_tokens = reference(prompt_ids(2, 5), 3, VOCAB)
+    assert all((r.token_ids, r.num_computed) == ([short_tokens[-1]], 7) for r in rows[3:])
+    late = run(engine)["late"]
+    assert late.outputs[0].token_ids == reference(prompt_ids(3, 5), 2, VOCAB)
+    assert engine.scheduler.allocator.num_used_blocks == 0
+
+
+def test_request_level_abort_of_the_last_running_request_releases_the_held_ones():
+    engine = make_engine("request", block_size=1)
+    engine.add_request("long", prompt_ids(1, 5), SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.add_request("short", prompt_ids(2, 5), SamplingParams(max_tokens=2, ignore_eos=True))
+    assert engine.step() == [] and engine.step() == []
+    assert engine.abort("long").outputs[0].finish_reason == "abort"
+    (short,) = engine.step()
+    assert short.request_id == "short" and short.outputs[0].finish_reason == "length"
+    assert not engine.has_unfinished()
+    assert engine.scheduler.allocator.num_used_blocks == 0
+
+
 def test_stop_strings_truncate_text_and_stream_safely():
     prompt = prompt_ids(3, 8)
     full = reference(prompt, 40, VOCAB)

@@ -16,9 +16,9 @@
 namespace orca {
 namespace {
 
-constexpr int64_t kSkinnyMaxT = 4;
+constexpr int64_t kSkinnyMaxT = 8;
 constexpr int64_t kSkinnyBlock = 64;  // output columns per task of the skinny path
-constexpr int64_t kMinParallelWeights = 1 << 18;
+constexpr int64_t kMinParallelWeights = 1 << 16;
 constexpr int64_t kMaxTileRows = 512;
 constexpr int64_t kTileBufferElems = 128 * 1024;  // per thread, ~half of a 1 MB L2 in float32
 
@@ -84,7 +84,11 @@ void dispatch_skinny(const at::Tensor& x, const at::Tensor& weight, const scalar
     case 1: return skinny_linear<1, scalar_t, act>(x, weight, bias, out);
     case 2: return skinny_linear<2, scalar_t, act>(x, weight, bias, out);
     case 3: return skinny_linear<3, scalar_t, act>(x, weight, bias, out);
-    default: return skinny_linear<4, scalar_t, act>(x, weight, bias, out);
+    case 4: return skinny_linear<4, scalar_t, act>(x, weight, bias, out);
+    case 5: return skinny_linear<5, scalar_t, act>(x, weight, bias, out);
+    case 6: return skinny_linear<6, scalar_t, act>(x, weight, bias, out);
+    case 7: return skinny_linear<7, scalar_t, act>(x, weight, bias, out);
+    default: return skinny_linear<8, scalar_t, act>(x, weight, bias, out);
   }
 }
 
