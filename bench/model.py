@@ -23,6 +23,7 @@ from orca_ext.batch import ScheduledRequest, SchedulerOutput  # noqa: E402
 from orca_ext.executor import KVCache, ModelRunner, num_kv_blocks  # noqa: E402
 from orca_ext.kv import SlotAllocator  # noqa: E402
 from orca_ext.model import load_model  # noqa: E402
+from orca_ext.model.arena import huge_page_empty  # noqa: E402
 from orca_ext.model.layers import Embedding  # noqa: E402
 from orca_ext.sampling_params import SamplingParams  # noqa: E402
 
@@ -31,9 +32,14 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def copy_bandwidth(device: str, nbytes: int = 512 * 2 ** 20) -> float:
-    """Bytes per second moved (read + written) by a large tensor copy."""
-    src = torch.ones(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
+    """Bytes per second moved (read + written) by a large tensor copy; on CPU between huge-page
+    buffers, as the model's weights are (orca_ext/model/arena.py)."""
+    if device == "cpu":
+        src, dst = (huge_page_empty(nbytes).view(torch.float32) for _ in range(2))
+        src.fill_(1.0)
+    else:
+        src = torch.ones(nbytes // 4, device=device)
+        dst = torch.empty_like(src)
     return 2 * nbytes / time_fn(lambda: dst.copy_(src), device)
 
 

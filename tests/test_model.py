@@ -184,3 +184,16 @@ def test_kv_cache_layout_and_budget():
         num_kv_blocks(config, 4, torch.float32, kv_cache_memory=10)
     with pytest.raises(ValueError, match="block_size"):
         num_kv_blocks(config, 0, torch.float32, kv_cache_tokens=8)
+
+
+def test_cpu_weights_share_one_huge_page_aligned_buffer_in_forward_order():
+    """The arena (orca_ext/model/arena.py): every parameter, a tied one once, is a slice of one
+    2 MB-aligned buffer, laid out in registration order without overlap."""
+    model = load_model("orca-tiny").model
+    params = list(dict.fromkeys(model.parameters()))
+    storages = {p.untyped_storage().data_ptr() for p in params}
+    assert len(storages) == 1
+    assert params[0].data_ptr() % (2 << 20) == 0
+    for a, b in zip(params, params[1:]):
+        assert a.data_ptr() + a.nbytes <= b.data_ptr()
+    assert model.lm_head.weight is model.wte.weight

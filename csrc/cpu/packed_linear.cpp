@@ -52,27 +52,49 @@ void epilogue(const in_t* in, const in_t* up_in, int64_t in_stride, int64_t rows
 
 // Up to kSkinnyMaxT tokens (decode at small batch): dot products that stream each weight row
 // once (orca/cpu/skinny_linear.h), in blocks of output columns across the threads, each block's
-// epilogue applied while it is in cache.
+// epilogue applied while it is in cache. A thread runs two blocks side by side (two weight
+// streams): blocks i and i + h of its range, or a block's gate and up rows for silu_and_mul.
 template <int kT, typename scalar_t, Activation act>
 void skinny_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t* bias,
                    at::Tensor& out) {
+  constexpr int64_t B = kSkinnyBlock;
   const int64_t K = x.size(1), N = out.size(1);
   const int64_t half = act == Activation::kSiluAndMul ? N : 0;  // offset of the up rows
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* x_ptr = xf.data_ptr<float>();
   const scalar_t* w = weight.data_ptr<scalar_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  // Small layers stay on one thread: a fork-join costs more than it saves below ~1 MB of
+  const auto cols_of = [&](int64_t blk) { return std::min(B, N - blk * B); };
+  const auto finish = [&](int64_t blk, const float* y, const float* up) {
+    const int64_t n0 = blk * B;
+    epilogue<act, float, scalar_t>(y, up, B, kT, cols_of(blk), bias ? bias + n0 : nullptr,
+                                   bias && half ? bias + half + n0 : nullptr, out_ptr + n0, N);
+  };
+  // Small layers stay on one thread: a fork-join costs more than it saves below ~256 KB of
   // weights, and stalls badly when another process holds a core.
-  const int64_t grain = ceil_div(kMinParallelWeights, kSkinnyBlock * K * (half ? 2 : 1));
-  at::parallel_for(0, ceil_div(N, kSkinnyBlock), grain, [&](int64_t begin, int64_t end) {
-    float y[kT * kSkinnyBlock], up[kT * kSkinnyBlock];
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n0 = blk * kSkinnyBlock, cols = std::min(kSkinnyBlock, N - n0);
-      cpu::skinny_dot<kT>(x_ptr, w, K, n0, n0 + cols, y, kSkinnyBlock);
-      if (half) cpu::skinny_dot<kT>(x_ptr, w, K, half + n0, half + n0 + cols, up, kSkinnyBlock);
-      epilogue<act, float, scalar_t>(y, up, kSkinnyBlock, kT, cols, bias ? bias + n0 : nullptr,
-                    bias && half ? bias + half + n0 : nullptr, out_ptr + n0, N);
+  const int64_t grain = ceil_div(kMinParallelWeights, B * K * (half ? 2 : 1));
+  at::parallel_for(0, ceil_div(N, B), grain, [&](int64_t begin, int64_t end) {
+    float y[2][kT * B];
+    if (half) {
+      for (int64_t blk = begin; blk < end; ++blk) {
+        cpu::skinny_rows<kT, 2>(x_ptr, w, K, {blk * B, half + blk * B}, cols_of(blk),
+                                {y[0], y[1]}, B);
+        finish(blk, y[0], y[1]);
+      }
+      return;
+    }
+    const int64_t h = (end - begin) / 2;
+    for (int64_t i = 0; i < h; ++i) {
+      const int64_t a = begin + i, b = begin + h + i;  // only b can be the short last block
+      const int64_t rows = cols_of(b);
+      cpu::skinny_rows<kT, 2>(x_ptr, w, K, {a * B, b * B}, rows, {y[0], y[1]}, B);
+      if (rows < B) cpu::skinny_rows<kT, 1>(x_ptr, w, K, {a * B + rows}, B - rows, {y[0] + rows}, B);
+      finish(a, y[0], nullptr);
+      finish(b, y[1], nullptr);
+    }
+    if ((end - begin) % 2) {
+      cpu::skinny_rows<kT, 1>(x_ptr, w, K, {(end - 1) * B}, cols_of(end - 1), {y[0]}, B);
+      finish(end - 1, y[0], nullptr);
     }
   });
 }

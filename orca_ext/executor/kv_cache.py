@@ -1,10 +1,12 @@
 """Per-layer paged KV cache tensors, sized from a KV budget."""
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
 
+from ..model.arena import huge_page_empty
 from ..model.config import ModelConfig
 
 
@@ -36,7 +38,8 @@ def num_kv_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype,
 
 class KVCache:
     """``len(cache)`` layers; ``cache[i]`` is layer i's ``(k_cache, v_cache)``, each
-    ``[num_blocks, block_size, num_kv_heads, head_dim]`` (views of one zeroed allocation)."""
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` (views of one zeroed allocation, on
+    huge pages on CPU)."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
@@ -44,9 +47,13 @@ class KVCache:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and "
                              f"{block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.storage = torch.zeros(config.num_layers, 2, num_blocks, block_size,
-                                   config.num_kv_heads, config.head_dim, dtype=dtype,
-                                   device=device)
+        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads,
+                 config.head_dim)
+        if torch.device(device).type == "cpu":
+            nbytes = math.prod(shape) * dtype.itemsize
+            self.storage = huge_page_empty(nbytes).view(dtype).view(shape).zero_()
+        else:
+            self.storage = torch.zeros(shape, dtype=dtype, device=device)
         self.layers = [(layer[0], layer[1]) for layer in self.storage]
 
     @property

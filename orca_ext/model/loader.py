@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from . import gpt2, llama
+from .arena import allocate_in_arena
 from .builtin import BUILTIN_MODELS, builtin_tokenizer, init_random_weights
 from .config import ModelConfig
 from .tokenizer import Tokenizer
@@ -63,7 +64,9 @@ def build_model(config: ModelConfig, dtype: torch.dtype,
     """The family's module with uninitialized parameters of ``dtype`` on ``device``."""
     _, cls = _FAMILIES[config.family]
     with torch.device(device), _default_dtype(dtype):
-        return cls(config).eval()
+        model = cls(config).eval()
+    allocate_in_arena(model)
+    return model
 
 
 @dataclass
