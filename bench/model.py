@@ -1,16 +1,20 @@
 """Decode-step time of a model against its memory-bandwidth bound, measured in the same run.
 
     python bench/model.py [--model orca-tiny] [--dtype float32] [--device cpu]
-                          [--batch-sizes 1 4 8 32] [--context 128] [--threads N]
+                          [--batch-sizes 1 4 8 32] [--context 128] [--threads N] [--rounds 7]
 
 A decode step reads every weight once, so it cannot beat ``weight bytes / copy bandwidth``
-(the bandwidth of a large tensor copy, counting bytes read + written). Target: a decode step
-(ModelRunner.execute: metadata, forward, lm_head, greedy sampling) within 1.5x that bound at
-batch 1-4. Embedding tables count only when read whole (a tied lm_head).
+(the bandwidth of a large tensor copy, counting bytes read + written). The copy is timed
+alternately with the steps (``--rounds``): a shared machine's memory bandwidth drifts by tens
+of percent from minute to minute. ``read GB/s`` is the weight bytes over the step time; ``+KV x``
+is the step against a bound that also counts the KV cache the step's attention reads.
+Target: a decode step (ModelRunner.execute: metadata, forward, lm_head, greedy sampling)
+within 1.5x that bound at batch 1-4. Embedding tables count only when read whole (a tied lm_head).
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -20,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import time_fn  # noqa: E402
 
 from orca_ext.batch import ScheduledRequest, SchedulerOutput  # noqa: E402
-from orca_ext.executor import KVCache, ModelRunner, num_kv_blocks  # noqa: E402
+from orca_ext.executor import KVCache, ModelRunner, kv_bytes_per_block, num_kv_blocks  # noqa: E402
 from orca_ext.kv import SlotAllocator  # noqa: E402
 from orca_ext.model import load_model  # noqa: E402
 from orca_ext.model.arena import huge_page_empty  # noqa: E402
@@ -31,16 +35,22 @@ BLOCK_SIZE = 16
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def copy_bandwidth(device: str, nbytes: int = 512 * 2 ** 20) -> float:
+class CopyBandwidth:
     """Bytes per second moved (read + written) by a large tensor copy; on CPU between huge-page
     buffers, as the model's weights are (orca_ext/model/arena.py)."""
-    if device == "cpu":
-        src, dst = (huge_page_empty(nbytes).view(torch.float32) for _ in range(2))
-        src.fill_(1.0)
-    else:
-        src = torch.ones(nbytes // 4, device=device)
-        dst = torch.empty_like(src)
-    return 2 * nbytes / time_fn(lambda: dst.copy_(src), device)
+
+    def __init__(self, device: str, nbytes: int = 512 * 2 ** 20) -> None:
+        if device == "cpu":
+            self.src, self.dst = (huge_page_empty(nbytes).view(torch.float32) for _ in range(2))
+            self.src.fill_(1.0)
+        else:
+            self.src = torch.ones(nbytes // 4, device=device)
+            self.dst = torch.empty_like(self.src)
+        self.device, self.nbytes = device, nbytes
+
+    def measure(self) -> float:
+        return 2 * self.nbytes / time_fn(lambda: self.dst.copy_(self.src), self.device,
+                                         warmup=1, min_runs=3, min_seconds=0.1)
 
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
@@ -52,9 +62,11 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     return sum(p.nbytes for p in model.parameters() if id(p) not in row_read)
 
 
-def decode_step_time(runner: ModelRunner, batch: int, context: int, base_id: int,
-                     device: str) -> float:
-    """Prefill ``batch`` requests of ``context`` tokens, then time decode steps over them."""
+def decode_step_and_bound(runner: ModelRunner, copy: CopyBandwidth, batch: int, context: int,
+                          base_id: int, device: str, rounds: int) -> tuple[float, float]:
+    """Prefill ``batch`` requests of ``context`` tokens; then, alternately, time decode steps
+    over them and the copy, ``rounds`` times, so both see the same state of a shared machine's
+    memory system. Returns the median step seconds and the median copy bandwidth."""
     vocab = runner.model.config.vocab_size
     prompts = torch.randint(0, vocab, (batch, context)).tolist()
     ids = [base_id + i for i in range(batch)]
@@ -65,11 +77,14 @@ def decode_step_time(runner: ModelRunner, batch: int, context: int, base_id: int
     # Decode at a fixed context (re-writing the same slot each step), so every step is alike.
     step = SchedulerOutput(1, [ScheduledRequest(rid, [1], context, GREEDY, prompt, [1])
                                for rid, prompt in zip(ids, prompts)])
-    seconds = time_fn(lambda: runner.execute(step), device, warmup=3, min_runs=10,
-                      min_seconds=1.0)
+    steps, bandwidths = [], []
+    for _ in range(rounds):
+        steps.append(time_fn(lambda: runner.execute(step), device, warmup=2, min_runs=10,
+                             min_seconds=0.2))
+        bandwidths.append(copy.measure())
     for rid in ids:
         runner.allocator.free(rid)
-    return seconds
+    return statistics.median(steps), statistics.median(bandwidths)
 
 
 def main() -> None:
@@ -80,6 +95,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 32])
     parser.add_argument("--context", type=int, default=128, help="tokens per request")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="alternations of step and copy timing per batch size")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -92,18 +109,23 @@ def main() -> None:
     runner = ModelRunner(loaded.model, KVCache(loaded.config, blocks, BLOCK_SIZE, loaded.dtype,
                                                args.device),
                          SlotAllocator(blocks, BLOCK_SIZE))
-    bandwidth = copy_bandwidth(args.device)
+    copy = CopyBandwidth(args.device)
     weights = weight_bytes_per_step(loaded.model)
-    bound = weights / bandwidth
     print(f"model {args.model} ({args.dtype}, {args.device}, {torch.get_num_threads()} threads): "
-          f"{weights / 1e6:.1f} MB of weights read per decode step")
-    print(f"copy bandwidth {bandwidth / 1e9:.2f} GB/s -> bound {bound * 1e3:.3f} ms per step")
-    print(f"{'batch':>5} {'context':>7} {'step ms':>9} {'x bound':>8} {'tokens/s':>9}")
+          f"{weights / 1e6:.1f} MB of weights read per decode step; bound = weight bytes / copy "
+          f"bandwidth (read + written), measured alternately with the steps")
+    kv_per_token = kv_bytes_per_block(loaded.config, BLOCK_SIZE, loaded.dtype) // BLOCK_SIZE
+    print(f"{'batch':>5} {'context':>7} {'step ms':>9} {'copy GB/s':>10} {'bound ms':>9} "
+          f"{'x bound':>8} {'+KV x':>7} {'read GB/s':>10} {'tokens/s':>9}")
     for i, batch in enumerate(args.batch_sizes):
-        seconds = decode_step_time(runner, batch, args.context, 1000 * i, args.device)
+        seconds, bandwidth = decode_step_and_bound(runner, copy, batch, args.context, 1000 * i,
+                                                   args.device, args.rounds)
+        bound = weights / bandwidth
+        with_kv = (weights + batch * (args.context + 1) * kv_per_token) / bandwidth
         target = "  (target <= 1.50)" if batch <= 4 else ""
-        print(f"{batch:>5} {args.context:>7} {seconds * 1e3:>9.3f} {seconds / bound:>8.2f} "
-              f"{batch / seconds:>9.0f}{target}")
+        print(f"{batch:>5} {args.context:>7} {seconds * 1e3:>9.3f} {bandwidth / 1e9:>10.2f} "
+              f"{bound * 1e3:>9.3f} {seconds / bound:>8.2f} {seconds / with_kv:>7.2f} "
+              f"{weights / seconds / 1e9:>10.1f} {batch / seconds:>9.0f}{target}")
 
 
 if __name__ == "__main__":

@@ -52,12 +52,13 @@ void epilogue(const in_t* in, const in_t* up_in, int64_t in_stride, int64_t rows
 
 // Up to kSkinnyMaxT tokens (decode at small batch): dot products that stream each weight row
 // once (orca/cpu/skinny_linear.h), in blocks of output columns across the threads, each block's
-// epilogue applied while it is in cache. A thread runs two blocks side by side (two weight
-// streams): blocks i and i + h of its range, or a block's gate and up rows for silu_and_mul.
+// epilogue applied while it is in cache. A thread runs blocks from distant parts of its range
+// side by side (one weight stream each), or a block's gate and up rows for silu_and_mul.
 template <int kT, typename scalar_t, Activation act>
 void skinny_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t* bias,
                    at::Tensor& out) {
   constexpr int64_t B = kSkinnyBlock;
+  constexpr int kStreams = kT >= 3 ? 4 : 2;  // more x reuse where the FMAs start to bind
   const int64_t K = x.size(1), N = out.size(1);
   const int64_t half = act == Activation::kSiluAndMul ? N : 0;  // offset of the up rows
   const at::Tensor xf = x.to(at::kFloat).contiguous();
@@ -74,7 +75,7 @@ void skinny_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t
   // weights, and stalls badly when another process holds a core.
   const int64_t grain = ceil_div(kMinParallelWeights, B * K * (half ? 2 : 1));
   at::parallel_for(0, ceil_div(N, B), grain, [&](int64_t begin, int64_t end) {
-    float y[2][kT * B];
+    float y[kStreams][kT * B];
     if (half) {
       for (int64_t blk = begin; blk < end; ++blk) {
         cpu::skinny_rows<kT, 2>(x_ptr, w, K, {blk * B, half + blk * B}, cols_of(blk),
@@ -83,18 +84,27 @@ void skinny_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t
       }
       return;
     }
-    const int64_t h = (end - begin) / 2;
-    for (int64_t i = 0; i < h; ++i) {
-      const int64_t a = begin + i, b = begin + h + i;  // only b can be the short last block
-      const int64_t rows = cols_of(b);
-      cpu::skinny_rows<kT, 2>(x_ptr, w, K, {a * B, b * B}, rows, {y[0], y[1]}, B);
-      if (rows < B) cpu::skinny_rows<kT, 1>(x_ptr, w, K, {a * B + rows}, B - rows, {y[0] + rows}, B);
-      finish(a, y[0], nullptr);
-      finish(b, y[1], nullptr);
+    // Blocks begin + s * q + i for s < kStreams side by side; only the last block overall can
+    // be short, and it comes last in its group.
+    const int64_t q = (end - begin) / kStreams;
+    for (int64_t i = 0; i < q; ++i) {
+      int64_t blocks[kStreams], first[kStreams];
+      float* ys[kStreams];
+      for (int s = 0; s < kStreams; ++s) {
+        blocks[s] = begin + s * q + i;
+        first[s] = blocks[s] * B;
+        ys[s] = y[s];
+      }
+      const int64_t rows = cols_of(blocks[kStreams - 1]);
+      cpu::skinny_rows<kT, kStreams>(x_ptr, w, K, first, rows, ys, B);
+      for (int s = 0; rows < B && s < kStreams - 1; ++s) {
+        cpu::skinny_rows<kT, 1>(x_ptr, w, K, {first[s] + rows}, B - rows, {y[s] + rows}, B);
+      }
+      for (int s = 0; s < kStreams; ++s) finish(blocks[s], y[s], nullptr);
     }
-    if ((end - begin) % 2) {
-      cpu::skinny_rows<kT, 1>(x_ptr, w, K, {(end - 1) * B}, cols_of(end - 1), {y[0]}, B);
-      finish(end - 1, y[0], nullptr);
+    for (int64_t blk = begin + kStreams * q; blk < end; ++blk) {
+      cpu::skinny_rows<kT, 1>(x_ptr, w, K, {blk * B}, cols_of(blk), {y[0]}, B);
+      finish(blk, y[0], nullptr);
     }
   });
 }

@@ -1,0 +1,30 @@
+"""orca-generate: offline generation from the command line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from orca_ext.cli import main
+from orca_ext.llm import LLM
+from orca_ext.sampling_params import SamplingParams
+
+
+def test_generate_prints_the_llm_api_outputs(capsys):
+    assert main(["--prompt", "hello", "--prompt", "ab", "--max-tokens", "5", "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    greedy = SamplingParams(max_tokens=5, temperature=0)
+    expected = LLM("orca-tiny").generate(["hello", "ab"], greedy, use_tqdm=False)
+    assert [line["prompt"] for line in lines] == ["hello", "ab"]
+    assert [line["token_ids"] for line in lines] == [list(o.outputs[0].token_ids)
+                                                     for o in expected]
+    assert all(line["finish_reason"] == "length" for line in lines)
+
+
+def test_bad_input_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--prompt", "x", "--max-tokens", "0"])
+    assert exit_info.value.code == 2
+    assert "max_tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--model", "/no/such/folder", "--prompt", "x"])
