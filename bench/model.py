@@ -79,8 +79,8 @@ def decode_step_and_bound(runner: ModelRunner, copy: CopyBandwidth, batch: int, 
                                for rid, prompt in zip(ids, prompts)])
     steps, bandwidths = [], []
     for _ in range(rounds):
-        steps.append(time_fn(lambda: runner.execute(step), device, warmup=2, min_runs=10,
-                             min_seconds=0.2))
+        steps.append(time_fn(lambda: runner.execute(step), device, warmup=10, min_runs=20,
+                             min_seconds=0.3))
         bandwidths.append(copy.measure())
     for rid in ids:
         runner.allocator.free(rid)
