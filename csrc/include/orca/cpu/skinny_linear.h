@@ -1,10 +1,10 @@
 // Torch-free dot-product kernel for linear layers with very few tokens (decode at small
 // batch): y[t, n] = x[t, :] . w[n, :]. Each weight row is read once, front to back, for all kT
-// tokens, and a thread walks two distant row ranges side by side: two long sequential streams,
-// prefetched ahead, with each x load shared by both rows. Measured on a 2-core Zen 4: about
-// 1.2x (1 token) to 1.3x (4 tokens) the bandwidth of one stream, and 2x that of reading a few
-// adjacent rows interleaved (short streams the hardware prefetcher follows badly). BLAS GEMM
-// kernels are tuned for many rows and lose much of the bandwidth on such shapes.
+// tokens, and a thread walks kStreams distant row ranges side by side: long sequential
+// streams, prefetched ahead, with each x load shared by all of them. Measured on a 2-core
+// Zen 4: about 1.2x (1 token) to 1.3x (4 tokens) the bandwidth of one stream, and 2x that of
+// reading a few adjacent rows interleaved (short streams the hardware prefetcher follows
+// badly). BLAS GEMM kernels are tuned for many rows and lose much of the bandwidth here.
 #pragma once
 
 #include <algorithm>
