@@ -6,6 +6,7 @@ integer ids; they are also the ids the C++ ``SlotAllocator`` knows.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .sampling_params import SamplingParams
@@ -19,7 +20,10 @@ class ScheduledRequest:
     token); they sit at positions ``num_computed .. num_computed + len(token_ids) - 1``. ``sample``
     is False for a prompt chunk that is not the last one (its logits are not needed).
     ``prompt_token_ids`` / ``output_token_ids`` are the request's own lists (read-only for the
-    executor), used by the repetition/presence/frequency penalties.
+    executor), used by the repetition/presence/frequency penalties. ``num_padding`` tokens run
+    after ``token_ids`` (request-level batching pads prompts to the batch's longest): their KV
+    goes to the request's next slots, which its later tokens overwrite, and their outputs are
+    dropped.
     """
 
     request_id: int
@@ -29,6 +33,21 @@ class ScheduledRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sample: bool = True
+    num_padding: int = 0
+
+
+def packed_rows(requests: Sequence[ScheduledRequest]) -> tuple[list[int], list[int], list[int]]:
+    """An iteration's packed token ids (padding included: it repeats the last token), each
+    request's number of rows, and the row of each sampled request's last real token."""
+    token_ids: list[int] = []
+    num_rows: list[int] = []
+    sample_rows: list[int] = []
+    for r in requests:
+        token_ids += r.token_ids + r.token_ids[-1:] * r.num_padding
+        num_rows.append(len(r.token_ids) + r.num_padding)
+        if r.sample:
+            sample_rows.append(len(token_ids) - 1 - r.num_padding)
+    return token_ids, num_rows, sample_rows
 
 
 @dataclass
@@ -41,7 +60,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in self.requests)
+        return sum(len(r.token_ids) + r.num_padding for r in self.requests)
 
 
 @dataclass

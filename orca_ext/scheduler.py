@@ -7,6 +7,7 @@ Requests are served first-come first-served: every policy walks them in arrival 
 """
 from __future__ import annotations
 
+import bisect
 import sys
 from collections import deque
 from dataclasses import dataclass
@@ -132,7 +133,8 @@ class Scheduler:
             scheduled.append(ScheduledRequest(
                 request.request_id, request.all_token_ids[start:start + num_new], start,
                 request.sampling_params, request.prompt_token_ids, request.output_token_ids,
-                sample=start + num_new == request.num_tokens))
+                sample=start + num_new == request.num_tokens,
+                num_padding=self._padding(request)))
         output = SchedulerOutput(self._next_batch_id, scheduled, self._ended)
         self._batches[output.batch_id] = picked
         self._next_batch_id += 1
@@ -170,13 +172,17 @@ class Scheduler:
     def _select(self) -> Picked:
         raise NotImplementedError
 
+    def _padding(self, request: Request) -> int:
+        """Padding tokens to run after ``request``'s scheduled tokens (request-level only)."""
+        return 0
+
     def _admit(self, request: Request, num_tokens: int) -> bool:
         """Move the oldest waiting request to running with KV for ``num_tokens``, if it fits."""
         if not self.allocator.can_allocate(num_tokens):
             return False
         self.allocator.allocate(request.request_id, num_tokens)
         self.waiting.popleft()
-        self.running.append(request)
+        bisect.insort(self.running, request, key=lambda r: r.request_id)  # ids follow arrival
         return True
 
     def _release(self, request: Request) -> None:
@@ -209,11 +215,13 @@ class OrcaScheduler(Scheduler):
 class RequestLevelScheduler(Scheduler):
     """Request-level batching as in Orca's baseline (FasterTransformer): a batch runs as a unit.
 
-    A new batch is admitted (KV reserved as under Orca) only once every request of the previous
-    one has finished. A request that finishes early keeps its row until then: it recomputes its
+    A new batch is admitted only once every request of the previous one has finished. Its
+    prompts run padded to the batch's longest (the padding stores KV into the request's next
+    slots and is dropped), so each request reserves max(longest prompt, prompt + max_tokens)
+    slots. A request that finishes early keeps its row until the batch drains: it recomputes its
     last token each iteration (the work a static batch wastes on finished rows; its result is
     dropped) and keeps its KV, and the engine returns its output only when the batch drains
-    (``holds_outputs``). Prompts are not padded, which favors this baseline.
+    (``holds_outputs``).
     """
 
     holds_outputs = True
@@ -221,16 +229,39 @@ class RequestLevelScheduler(Scheduler):
     def __init__(self, config: SchedulerConfig, allocator: SlotAllocator) -> None:
         super().__init__(config, allocator)
         self._finished_rows: list[Request] = []  # finished, held until the batch drains
+        self._pad_to = 0  # the running batch's longest prompt
 
     def _select(self) -> Picked:
         if not self.running and not self._finished_rows:
-            while self.waiting and len(self.running) < self.config.max_batch_size:
-                request = self.waiting[0]
-                if not self._admit(request, request.max_total_tokens):
-                    break
+            self._admit_batch()
         # A finished row runs its last token again at the same position (into its own slot).
         return ([(r, r.num_tokens - r.num_computed) for r in self.running if not r.in_flight]
                 + [(r, 1) for r in self._finished_rows if not r.in_flight])
+
+    def _admit_batch(self) -> None:
+        """The longest run of waiting requests (FCFS, up to max_batch_size) whose padded
+        reservations fit together."""
+        block_size, batch, pad_to = self.allocator.block_size, [], 0
+
+        def blocks(request: Request, pad: int) -> int:
+            return -(-max(pad, request.max_total_tokens) // block_size)
+
+        for request in self.waiting:
+            if len(batch) == self.config.max_batch_size:
+                break
+            pad = max(pad_to, len(request.prompt_token_ids))
+            if sum(blocks(r, pad) for r in [*batch, request]) > self.allocator.num_free_blocks:
+                break
+            batch.append(request)
+            pad_to = pad
+        for request in batch:
+            self.allocator.allocate(request.request_id, max(pad_to, request.max_total_tokens))
+            self.waiting.popleft()
+            self.running.append(request)
+        self._pad_to = pad_to
+
+    def _padding(self, request: Request) -> int:
+        return 0 if request.num_computed else self._pad_to - len(request.prompt_token_ids)
 
     def _release(self, request: Request) -> None:
         if self.running and request.finish_reason != "abort":
@@ -244,6 +275,7 @@ class RequestLevelScheduler(Scheduler):
             for held in [r for r in self._finished_rows if not r.in_flight]:
                 self._finished_rows.remove(held)
                 super()._release(held)
+
 
 class PagedScheduler(Scheduler):
     """KV blocks are allocated as tokens arrive; when they run out, the latest-arrived running
@@ -283,7 +315,9 @@ class PagedScheduler(Scheduler):
 
     def _grow(self, request: Request, total_tokens: int, chosen: set[int]) -> bool:
         """Give ``request`` room for ``total_tokens``, preempting the latest-arrived requests not
-        in this batch or in flight; False if ``request`` itself had to go."""
+        in this batch; False if it cannot run now: it was the latest itself (and is preempted),
+        or the latest is in flight (its batch returns first). Preempting an older request in
+        its place could livelock two requests that take turns in the pipeline."""
         while True:
             need = total_tokens - self.allocator.capacity(request.request_id)
             if need <= 0:
@@ -291,8 +325,9 @@ class PagedScheduler(Scheduler):
             if self.allocator.can_allocate(need):
                 self.allocator.extend(request.request_id, total_tokens)
                 return True
-            victim = next(r for r in reversed(self.running)
-                          if not r.in_flight and r.request_id not in chosen)
+            victim = next(r for r in reversed(self.running) if r.request_id not in chosen)
+            if victim.in_flight:
+                return False
             self._preempt(victim)
             if victim is request:
                 return False

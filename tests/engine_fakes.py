@@ -8,7 +8,7 @@ from collections import deque
 import pytest
 import torch
 
-from orca_ext.batch import RunnerOutput, SchedulerOutput, TokenLogprobs
+from orca_ext.batch import RunnerOutput, SchedulerOutput, TokenLogprobs, packed_rows
 
 
 class KVCacheFullError(RuntimeError):
@@ -140,19 +140,20 @@ class KVFakeRunner:
         self.batches.append(out)
         reqs = out.requests
         ids = [r.request_id for r in reqs]
+        token_ids, num_rows, _ = packed_rows(reqs)  # padding stores KV, later overwritten
         cu, ctx, table, slots, positions = self.allocator.build_metadata(
-            ids, [r.num_computed for r in reqs], [len(r.token_ids) for r in reqs])
-        expected_pos = [r.num_computed + i for r in reqs for i in range(len(r.token_ids))]
+            ids, [r.num_computed for r in reqs], num_rows)
+        expected_pos = [r.num_computed + i for r, n in zip(reqs, num_rows) for i in range(n)]
         assert positions.tolist() == expected_pos
         assert cu.tolist()[-1] == len(expected_pos)
-        for token, slot in zip((t for r in reqs for t in r.token_ids), slots.tolist()):
+        for token, slot in zip(token_ids, slots.tolist()):
             self.kv[slot] = token
         bs = self.allocator.block_size
         sampled_ids, sampled, logprobs = [], [], []
         for row, r in enumerate(reqs):
             if not r.sample:
                 continue
-            n = int(ctx[row])
+            n = int(ctx[row]) - r.num_padding  # the context up to the last real token
             blocks = table[row].tolist()
             context = [self.kv[blocks[p // bs] * bs + p % bs] for p in range(n)]
             assert context == r.prompt_token_ids + r.output_token_ids, f"bad KV for {r.request_id}"

@@ -136,6 +136,23 @@ def test_request_level_batch_runs_as_a_unit():
     assert engine.scheduler.allocator.num_used_blocks == 0
 
 
+def test_request_level_pads_prompts_to_the_longest():
+    """Padding runs after a short prompt (its KV overwritten later, its outputs dropped) and is
+    reserved for: max(longest prompt, prompt + max_tokens) slots each; outputs are unchanged."""
+    engine = make_engine("request", block_size=1)
+    engine.add_request("short", prompt_ids(1, 3), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add_request("long", prompt_ids(2, 9), SamplingParams(max_tokens=2, ignore_eos=True))
+    assert engine.step() == [] and engine.step() == []
+    prompts, decodes = (b.requests for b in engine.executor.batches)
+    assert [(len(r.token_ids), r.num_padding) for r in prompts] == [(3, 6), (9, 0)]
+    assert [(len(r.token_ids), r.num_padding) for r in decodes] == [(1, 0), (1, 0)]
+    assert engine.scheduler.allocator.num_used_blocks == 9 + (9 + 2)
+    finished = run(engine)
+    assert finished["short"].outputs[0].token_ids == reference(prompt_ids(1, 3), 4, VOCAB)
+    assert finished["long"].outputs[0].token_ids == reference(prompt_ids(2, 9), 2, VOCAB)
+    assert engine.scheduler.allocator.num_used_blocks == 0
+
+
 def test_request_level_abort_of_the_last_running_request_releases_the_held_ones():
     engine = make_engine("request", block_size=1)
     engine.add_request("long", prompt_ids(1, 5), SamplingParams(max_tokens=30, ignore_eos=True))

@@ -179,6 +179,21 @@ def test_paged_preempts_latest_and_recomputes(allocator_cls):
     assert second.request_id in ended
 
 
+def test_paged_pipeline_makes_progress(allocator_cls):
+    """Found by hypothesis: two requests that each need the whole cache, two batches in flight
+    of one request each. The older one used to preempt itself whenever the younger was in
+    flight, and the two took turns forever; now it waits for that batch instead."""
+    h = Harness(allocator_cls, "paged", num_blocks=3, block_size=16, max_batch_size=1,
+                num_batches_in_flight=2, max_num_batched_tokens=4)
+    h.add(1, 3)
+    h.step()
+    h.add(23, 11)
+    h.add(23, 11)
+    h.step()
+    h.run(max_steps=500)
+    h.check_outputs()
+
+
 def test_paged_chunked_prefill(allocator_cls):
     h = Harness(allocator_cls, "paged", num_blocks=64, block_size=4,
                 max_num_batched_tokens=16)

@@ -18,13 +18,12 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from itertools import accumulate, chain
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..batch import RunnerOutput, SchedulerOutput
+from ..batch import RunnerOutput, SchedulerOutput, packed_rows
 from ..engine import Engine
 from ..executor.kv_cache import num_kv_blocks
 from ..kv import SlotAllocator
@@ -215,15 +214,13 @@ class DistributedExecutor:
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         self._check()
         requests = scheduler_output.requests
-        num_new = [len(r.token_ids) for r in requests]
+        token_ids, num_rows, sample_rows = packed_rows(requests)
         cu_q_lens, context_lens, block_table, slot_mapping, positions = (
             self.allocator.build_metadata([r.request_id for r in requests],
-                                          [r.num_computed for r in requests], num_new))
-        input_ids = torch.tensor(list(chain.from_iterable(r.token_ids for r in requests)),
-                                 dtype=torch.int64)
-        rows = [end - 1 for end, r in zip(accumulate(num_new), requests) if r.sample]
+                                          [r.num_computed for r in requests], num_rows))
+        input_ids = torch.tensor(token_ids, dtype=torch.int64)
         msg = StepMessage(scheduler_output, input_ids, positions, cu_q_lens, context_lens,
-                          block_table, slot_mapping, torch.tensor(rows, dtype=torch.int64))
+                          block_table, slot_mapping, torch.tensor(sample_rows, dtype=torch.int64))
         try:
             self._to_first.send(msg)
         except Exception as exc:  # noqa: BLE001

@@ -1,12 +1,10 @@
 """In-process executor: one SchedulerOutput in, one sampled token per request out."""
 from __future__ import annotations
 
-from itertools import accumulate, chain
-
 import torch
 from torch import nn
 
-from ..batch import RunnerOutput, SchedulerOutput
+from ..batch import RunnerOutput, SchedulerOutput, packed_rows
 from ..kv import SlotAllocator
 from ..model.layers import AttentionMetadata
 from ..sampling import Sampler
@@ -39,18 +37,16 @@ class ModelRunner:
         output = RunnerOutput(scheduler_output.batch_id, [r.request_id for r in sampled], [], [])
         if not requests:
             return output
-        num_new = [len(r.token_ids) for r in requests]
+        token_ids, num_rows, sample_rows = packed_rows(requests)
         cu_q_lens, context_lens, block_table, slot_mapping, positions = (
             t.to(self.device, non_blocking=True) for t in self.allocator.build_metadata(
-                [r.request_id for r in requests], [r.num_computed for r in requests], num_new))
-        input_ids = torch.tensor(list(chain.from_iterable(r.token_ids for r in requests)),
-                                 dtype=torch.int64).to(self.device, non_blocking=True)
+                [r.request_id for r in requests], [r.num_computed for r in requests], num_rows))
+        input_ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         meta = AttentionMetadata(cu_q_lens, context_lens, block_table, slot_mapping)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         if not sampled:
             return output
-        last_rows = [end - 1 for end, r in zip(accumulate(num_new), requests) if r.sample]
-        indices = torch.tensor(last_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        indices = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         result = self.sampler(self.model.compute_logits(hidden, indices), sampled)
         output.sampled_token_ids, output.logprobs = result.token_ids, result.logprobs
         return output
