@@ -43,7 +43,9 @@ def packed_rows(requests: Sequence[ScheduledRequest]) -> tuple[list[int], list[i
     num_rows: list[int] = []
     sample_rows: list[int] = []
     for r in requests:
-        token_ids += r.token_ids + r.token_ids[-1:] * r.num_padding
+        token_ids.extend(r.token_ids)
+        if r.num_padding:
+            token_ids.extend(r.token_ids[-1:] * r.num_padding)
         num_rows.append(len(r.token_ids) + r.num_padding)
         if r.sample:
             sample_rows.append(len(token_ids) - 1 - r.num_padding)
