@@ -7,7 +7,10 @@ A decode step reads every weight once, so it cannot beat ``weight bytes / copy b
 (the bandwidth of a large tensor copy, counting bytes read + written). The copy is timed
 alternately with the steps (``--rounds``): a shared machine's memory bandwidth drifts by tens
 of percent from minute to minute. ``read GB/s`` is the weight bytes over the step time; ``+KV x``
-is the step against a bound that also counts the KV cache the step's attention reads.
+is the step against a bound that also counts the KV cache the step's attention reads. ``scan
+GB/s`` is a read-only pass (a sum) over the copy's source, timed in the same alternation, and
+``x scan`` the step against weights + KV over it: how close the step comes to reading its bytes
+as fast as this machine reads a large buffer (a copy's read + write traffic can exceed that).
 Target: a decode step (ModelRunner.execute: metadata, forward, lm_head, greedy sampling)
 within 1.5x that bound at batch 1-4. Embedding tables count only when read whole (a tied lm_head).
 """
@@ -52,6 +55,11 @@ class CopyBandwidth:
         return 2 * self.nbytes / time_fn(lambda: self.dst.copy_(self.src), self.device,
                                          warmup=1, min_runs=3, min_seconds=0.1)
 
+    def measure_scan(self) -> float:
+        """Bytes per second read by a sum over the source buffer (nothing written)."""
+        return self.nbytes / time_fn(lambda: self.src.sum(), self.device, warmup=1, min_runs=3,
+                                     min_seconds=0.1)
+
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
     """Bytes of the weights a decode step reads: all of them, except embedding tables, which
@@ -63,10 +71,11 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
 
 
 def decode_step_and_bound(runner: ModelRunner, copy: CopyBandwidth, batch: int, context: int,
-                          base_id: int, device: str, rounds: int) -> tuple[float, float]:
+                          base_id: int, device: str,
+                          rounds: int) -> tuple[float, float, float]:
     """Prefill ``batch`` requests of ``context`` tokens; then, alternately, time decode steps
-    over them and the copy, ``rounds`` times, so both see the same state of a shared machine's
-    memory system. Returns the median step seconds and the median copy bandwidth."""
+    over them, the copy and the scan, ``rounds`` times, so all see the same state of a shared
+    machine's memory system. Returns the median step seconds, copy and scan bandwidths."""
     vocab = runner.model.config.vocab_size
     prompts = torch.randint(0, vocab, (batch, context)).tolist()
     ids = [base_id + i for i in range(batch)]
@@ -77,14 +86,15 @@ def decode_step_and_bound(runner: ModelRunner, copy: CopyBandwidth, batch: int, 
     # Decode at a fixed context (re-writing the same slot each step), so every step is alike.
     step = SchedulerOutput(1, [ScheduledRequest(rid, [1], context, GREEDY, prompt, [1])
                                for rid, prompt in zip(ids, prompts)])
-    steps, bandwidths = [], []
+    steps, bandwidths, scans = [], [], []
     for _ in range(rounds):
         steps.append(time_fn(lambda: runner.execute(step), device, warmup=10, min_runs=20,
                              min_seconds=0.3))
         bandwidths.append(copy.measure())
+        scans.append(copy.measure_scan())
     for rid in ids:
         runner.allocator.free(rid)
-    return statistics.median(steps), statistics.median(bandwidths)
+    return statistics.median(steps), statistics.median(bandwidths), statistics.median(scans)
 
 
 def main() -> None:
@@ -116,16 +126,19 @@ def main() -> None:
           f"bandwidth (read + written), measured alternately with the steps")
     kv_per_token = kv_bytes_per_block(loaded.config, BLOCK_SIZE, loaded.dtype) // BLOCK_SIZE
     print(f"{'batch':>5} {'context':>7} {'step ms':>9} {'copy GB/s':>10} {'bound ms':>9} "
-          f"{'x bound':>8} {'+KV x':>7} {'read GB/s':>10} {'tokens/s':>9}")
+          f"{'x bound':>8} {'+KV x':>7} {'read GB/s':>10} {'scan GB/s':>10} {'x scan':>7} "
+          f"{'tokens/s':>9}")
     for i, batch in enumerate(args.batch_sizes):
-        seconds, bandwidth = decode_step_and_bound(runner, copy, batch, args.context, 1000 * i,
-                                                   args.device, args.rounds)
+        seconds, bandwidth, scan = decode_step_and_bound(runner, copy, batch, args.context,
+                                                         1000 * i, args.device, args.rounds)
         bound = weights / bandwidth
-        with_kv = (weights + batch * (args.context + 1) * kv_per_token) / bandwidth
+        step_bytes = weights + batch * (args.context + 1) * kv_per_token
         target = "  (target <= 1.50)" if batch <= 4 else ""
         print(f"{batch:>5} {args.context:>7} {seconds * 1e3:>9.3f} {bandwidth / 1e9:>10.2f} "
-              f"{bound * 1e3:>9.3f} {seconds / bound:>8.2f} {seconds / with_kv:>7.2f} "
-              f"{weights / seconds / 1e9:>10.1f} {batch / seconds:>9.0f}{target}")
+              f"{bound * 1e3:>9.3f} {seconds / bound:>8.2f} "
+              f"{seconds / (step_bytes / bandwidth):>7.2f} {weights / seconds / 1e9:>10.1f} "
+              f"{scan / 1e9:>10.1f} {seconds / (step_bytes / scan):>7.2f} "
+              f"{batch / seconds:>9.0f}{target}")
 
 
 if __name__ == "__main__":
