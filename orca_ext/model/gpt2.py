@@ -8,14 +8,14 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .layers import AttentionMetadata, Embedding, LayerNorm, Linear, paged_attention
+from .layers import AttentionMetadata, Embedding, Layer, LayerNorm, Linear, paged_attention
 from .weights import HFWeight
 
 # Causal-mask buffers that old checkpoints saved next to the real weights.
 IGNORED_HF_WEIGHTS = re.compile(r"\.attn\.(masked_)?bias$")
 
 
-class GPT2Attention(nn.Module):
+class GPT2Attention(Layer):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
@@ -31,7 +31,7 @@ class GPT2Attention(nn.Module):
         return self.out(paged_attention(q, k, v, kv_cache, meta, self.scale))
 
 
-class GPT2MLP(nn.Module):
+class GPT2MLP(Layer):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.fc = Linear(config.hidden_size, config.intermediate_size, bias=True,
@@ -42,7 +42,7 @@ class GPT2MLP(nn.Module):
         return self.proj(self.fc(x))
 
 
-class GPT2Block(nn.Module):
+class GPT2Block(Layer):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.ln_1 = LayerNorm(config.hidden_size, config.norm_eps)

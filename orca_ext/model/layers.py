@@ -27,11 +27,21 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [T]
 
 
+class Layer(nn.Module):
+    """Base of the models' inner modules: calling one runs its ``forward`` directly. Inference
+    registers no hooks, and nn.Module.__call__'s checks for them cost ~2 us a call, ~70 calls
+    per decode step (3-5 % of orca-tiny's batch-1 step on our 2-core CPU)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.__call__ = cls.forward
+
+
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape), requires_grad=False)
 
 
-class Linear(nn.Module):
+class Linear(Layer):
     """``activation(x @ weight.T + bias)``; ``silu_and_mul`` halves the output width."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
@@ -45,7 +55,7 @@ class Linear(nn.Module):
         return ops.packed_linear(x, self.weight, self.bias, self.activation)
 
 
-class Embedding(nn.Module):
+class Embedding(Layer):
     def __init__(self, num_embeddings: int, dim: int) -> None:
         super().__init__()
         self.weight = _param(num_embeddings, dim)
@@ -54,7 +64,7 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(Layer):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = _param(dim)
@@ -65,7 +75,7 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Layer):
     """Llama's RMSNorm: normalized in float32, cast back, then scaled."""
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -98,7 +108,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     return torch.where(medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Layer):
     """Neox-style (rotate-half) rotary position embedding."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:

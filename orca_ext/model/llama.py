@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .layers import (AttentionMetadata, Embedding, Linear, RMSNorm, RotaryEmbedding,
+from .layers import (AttentionMetadata, Embedding, Layer, Linear, RMSNorm, RotaryEmbedding,
                      apply_rotary, paged_attention)
 from .weights import HFWeight
 
@@ -17,7 +17,7 @@ from .weights import HFWeight
 IGNORED_HF_WEIGHTS = re.compile(r"\.rotary_emb\.inv_freq$")
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(Layer):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
@@ -38,7 +38,7 @@ class LlamaAttention(nn.Module):
         return self.out(paged_attention(q, k, v, kv_cache, meta, self.scale))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(Layer):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         # Gate rows then up rows; silu(gate) * up is fused into the GEMM epilogue.
@@ -50,7 +50,7 @@ class LlamaMLP(nn.Module):
         return self.down(self.gate_up(x))
 
 
-class LlamaBlock(nn.Module):
+class LlamaBlock(Layer):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_norm = RMSNorm(config.hidden_size, config.norm_eps)
