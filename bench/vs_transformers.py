@@ -2,11 +2,11 @@
 
     python bench/vs_transformers.py [--model orca-tiny] [--num-requests 64]
         [--max-batch-size 32] [--hf-batch-sizes 4 8 16 32] [--hf-cb-batch-sizes 4 8 16]
-        [--workload orca|sharegpt] [--seed 0] [--json FILE]
+        [--workload orca|sharegpt] [--dtype float32|bfloat16] [--seed 0] [--json FILE]
 
 The model (default: the built-in ``orca-tiny``) is saved with ``save_pretrained_folder`` and
 loaded back by ``transformers.AutoModelForCausalLM``, so both sides run the same weights, in
-float32 on the same threads. The workload is bench/serving.py's (Orca's synthetic one by
+the same dtype (``--dtype``, default float32) on the same threads. The workload is bench/serving.py's (Orca's synthetic one by
 default), every request present at once, greedy, ignoring EOS, each with its own output length.
 
 - ours: ``LLM.generate`` (iteration-level scheduling, selective batching).
