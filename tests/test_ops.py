@@ -107,10 +107,14 @@ def test_ragged_attention_dtypes(device, dtype, block_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("q_lens,ctx", [([1], [3000]), ([700], [2100]), ([1, 1, 300], [2500, 9, 300])])
+@pytest.mark.parametrize("q_lens,ctx", [
+    ([1], [3000]), ([700], [2100]), ([1, 1, 300], [2500, 9, 300]),
+    ([1], [130]), ([1, 1, 1], [64, 129, 200]),
+])
 def test_ragged_attention_long_contexts_split(device, dtype, q_lens, ctx):
     """Long contexts go through the split-KV + log-sum-exp merge path (on CUDA, the
-    tensor-core kernels split; they run for bfloat16)."""
+    tensor-core kernels split; they run for bfloat16); on CPU so do decodes of a few short
+    requests (from 64 positions), to give every thread a share of the KV."""
     batch = random_ragged_batch(q_lens, ctx, 4, 1, 64, 16, dtype=dtype, device=device)
     out = ops.ragged_attention(*batch.args())
     expected = ref.ragged_attention(*(a.cpu() if torch.is_tensor(a) else a for a in batch.args()))
