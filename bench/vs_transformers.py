@@ -6,8 +6,9 @@
 
 The model (default: the built-in ``orca-tiny``) is saved with ``save_pretrained_folder`` and
 loaded back by ``transformers.AutoModelForCausalLM``, so both sides run the same weights, in
-the same dtype (``--dtype``, default float32) on the same threads. The workload is bench/serving.py's (Orca's synthetic one by
-default), every request present at once, greedy, ignoring EOS, each with its own output length.
+the same dtype (``--dtype``, default float32) on the same threads. The workload is
+bench/serving.py's (Orca's synthetic one by default), every request present at once, greedy,
+ignoring EOS, each with its own output length.
 
 - ours: ``LLM.generate`` (iteration-level scheduling, selective batching).
 - transformers static batching: ``model.generate`` over consecutive chunks of ``b`` requests in

@@ -197,3 +197,14 @@ def test_cpu_weights_share_one_huge_page_aligned_buffer_in_forward_order():
     for a, b in zip(params, params[1:]):
         assert a.data_ptr() + a.nbytes <= b.data_ptr()
     assert model.lm_head.weight is model.wte.weight
+
+
+def test_inner_layers_refuse_forward_hooks():
+    """Inner layers call forward directly (no hook machinery on the decode path), so a hook
+    would never run: registering one is an error, while the top-level model still takes one."""
+    model = load_model("orca-tiny").model
+    with pytest.raises(RuntimeError, match="runs no hooks"):
+        model.layers[0].attn.qkv.register_forward_hook(lambda *args: None)
+    with pytest.raises(RuntimeError, match="runs no hooks"):
+        model.layers[0].register_forward_pre_hook(lambda *args: None)
+    model.register_forward_hook(lambda *args: None).remove()

@@ -30,11 +30,18 @@ class AttentionMetadata:
 class Layer(nn.Module):
     """Base of the models' inner modules: calling one runs its ``forward`` directly. Inference
     registers no hooks, and nn.Module.__call__'s checks for them cost ~2 us a call, ~70 calls
-    per decode step (3-5 % of orca-tiny's batch-1 step on our 2-core CPU)."""
+    per decode step (3-5 % of orca-tiny's batch-1 step on our 2-core CPU). Registering a
+    forward hook on one is refused rather than silently never called."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.__call__ = cls.forward
+
+    def register_forward_hook(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{type(self).__name__} calls forward directly and runs no hooks; "
+                           "hook the top-level model instead")
+
+    register_forward_pre_hook = register_forward_hook
 
 
 def _param(*shape: int) -> nn.Parameter:
