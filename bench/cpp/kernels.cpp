@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 using PackedLinear = at::Tensor(const at::Tensor&, const at::Tensor&,
@@ -24,20 +25,21 @@ static void BM_PackedLinearGelu(benchmark::State& state) {
 }
 BENCHMARK(BM_PackedLinearGelu)->Arg(32)->Arg(512)->Unit(benchmark::kMillisecond);
 
-// orca-tiny's 8 layers of weights (qkv, out, fc, proj: ~96 MB, far beyond the caches) in one
-// huge-page buffer, in forward order, as orca_ext/model/arena.py lays them out.
+// orca-tiny's 8 layers of weights (qkv, out, fc, proj: ~101 MB in float32, far beyond the
+// caches) in one huge-page buffer, in forward order, as orca_ext/model/arena.py lays them out.
 struct ModelWeights {
   at::Tensor buffer;
   std::vector<at::Tensor> matrices;
 
-  ModelWeights() {
+  explicit ModelWeights(at::ScalarType dtype) {
     const int64_t shapes[4][2] = {{1536, 512}, {512, 512}, {2048, 512}, {512, 2048}};
     int64_t total = 0;
     for (const auto& s : shapes) total += 8 * s[0] * s[1];
-    const size_t bytes = (total * sizeof(float) + (2 << 20) - 1) / (2 << 20) * (2 << 20);
-    void* memory = std::aligned_alloc(2 << 20, bytes);
+    const size_t huge = 2 << 20;
+    const size_t bytes = (total * at::elementSize(dtype) + huge - 1) / huge * huge;
+    void* memory = std::aligned_alloc(huge, bytes);
     madvise(memory, bytes, MADV_HUGEPAGE);
-    buffer = at::from_blob(memory, {total}, [](void* p) { std::free(p); }, at::kFloat);
+    buffer = at::from_blob(memory, {total}, [](void* p) { std::free(p); }, dtype);
     buffer.normal_(0, 0.02);
     int64_t offset = 0;
     for (int layer = 0; layer < 8; ++layer) {
@@ -47,39 +49,44 @@ struct ModelWeights {
       }
     }
   }
-  static ModelWeights& get() {
-    static ModelWeights weights;
-    return weights;
+  // Arg 0: float32, 1: bfloat16.
+  static ModelWeights& get(int64_t dtype_arg) {
+    static ModelWeights f32(at::kFloat), bf16(at::kBFloat16);
+    return dtype_arg ? bf16 : f32;
   }
 };
+
+std::string dtype_name(int64_t dtype_arg) { return dtype_arg ? "bfloat16" : "float32"; }
 
 // A decode step's linears at T tokens; bytes/s is the weights' bytes over the time.
 static void BM_SkinnyLinearModel(benchmark::State& state) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("orca::packed_linear", "")
                        .typed<PackedLinear>();
-  const auto& w = ModelWeights::get();
+  const auto& w = ModelWeights::get(state.range(1));
   const int64_t T = state.range(0);
-  const auto x512 = at::randn({T, 512}), x2048 = at::randn({T, 2048});
+  const auto opts = at::TensorOptions().dtype(w.buffer.scalar_type());
+  const auto x512 = at::randn({T, 512}, opts), x2048 = at::randn({T, 2048}, opts);
   for (auto _ : state) {
     for (const auto& m : w.matrices) {
       benchmark::DoNotOptimize(op.call(m.size(1) == 512 ? x512 : x2048, m, std::nullopt, "none"));
     }
   }
   state.SetBytesProcessed(state.iterations() * w.buffer.nbytes());
-  state.SetLabel("T=" + std::to_string(T) + ", orca-tiny's 32 linears, ~96 MB");
+  state.SetLabel("T=" + std::to_string(T) + ", orca-tiny's 32 linears, " +
+                 dtype_name(state.range(1)));
 }
-BENCHMARK(BM_SkinnyLinearModel)->Arg(1)->Arg(2)->Arg(4)->Arg(8)->UseRealTime()
+BENCHMARK(BM_SkinnyLinearModel)->ArgsProduct({{1, 2, 4, 8}, {0, 1}})->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 
 // The baseline: a sum over the same bytes (a read-only pass at the machine's streaming rate).
 static void BM_ReadModelWeights(benchmark::State& state) {
-  const auto& w = ModelWeights::get();
+  const auto& w = ModelWeights::get(state.range(0));
   for (auto _ : state) benchmark::DoNotOptimize(w.buffer.sum());
   state.SetBytesProcessed(state.iterations() * w.buffer.nbytes());
-  state.SetLabel("at::sum over the same ~96 MB");
+  state.SetLabel("at::sum over the same weights, " + dtype_name(state.range(0)));
 }
-BENCHMARK(BM_ReadModelWeights)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ReadModelWeights)->Arg(0)->Arg(1)->UseRealTime()->Unit(benchmark::kMillisecond);
 
 static void BM_RaggedAttention(benchmark::State& state) {
   static auto op = c10::Dispatcher::singleton()

@@ -50,6 +50,30 @@ void epilogue(const in_t* in, const in_t* up_in, int64_t in_stride, int64_t rows
   }
 }
 
+// bfloat16 weights and tokens go through the AVX512-BF16 dot products where the build has them.
+template <typename scalar_t>
+constexpr bool kBf16Dot =
+#if defined(__AVX512BF16__)
+    std::is_same_v<scalar_t, at::BFloat16>;
+#else
+    false;
+#endif
+
+// Rows first[s] .. first[s] + rows of the weights against the kT tokens x (float32, or the
+// bfloat16 tokens themselves for the kBf16Dot kernel), into y[s].
+template <int kT, int kStreams, typename scalar_t>
+void skinny_rows(const void* x, const scalar_t* w, int64_t K, const int64_t (&first)[kStreams],
+                 int64_t rows, float* const (&y)[kStreams], int64_t y_stride) {
+#if defined(__AVX512BF16__)
+  if constexpr (kBf16Dot<scalar_t>) {
+    return cpu::skinny_rows_bf16<kT, kStreams>(static_cast<const uint16_t*>(x),
+                                               reinterpret_cast<const uint16_t*>(w), K, first,
+                                               rows, y, y_stride);
+  }
+#endif
+  cpu::skinny_rows<kT, kStreams>(static_cast<const float*>(x), w, K, first, rows, y, y_stride);
+}
+
 // Up to kSkinnyMaxT tokens (decode at small batch): dot products that stream each weight row
 // once (orca/cpu/skinny_linear.h), in blocks of output columns across the threads, each block's
 // epilogue applied while it is in cache. A thread runs blocks from distant parts of its range
@@ -62,8 +86,8 @@ void skinny_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t
   constexpr int kStreams = kT >= 2 ? 4 : 2;
   const int64_t K = x.size(1), N = out.size(1);
   const int64_t half = act == Activation::kSiluAndMul ? N : 0;  // offset of the up rows
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* x_ptr = xf.data_ptr<float>();
+  const at::Tensor xs = kBf16Dot<scalar_t> ? x : x.to(at::kFloat).contiguous();
+  const void* x_ptr = xs.data_ptr();
   const scalar_t* w = weight.data_ptr<scalar_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const auto cols_of = [&](int64_t blk) { return std::min(B, N - blk * B); };
@@ -79,7 +103,7 @@ void skinny_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t
     float y[kStreams][kT * B];
     if (half) {
       for (int64_t blk = begin; blk < end; ++blk) {
-        cpu::skinny_rows<kT, 2>(x_ptr, w, K, {blk * B, half + blk * B}, cols_of(blk),
+        skinny_rows<kT, 2>(x_ptr, w, K, {blk * B, half + blk * B}, cols_of(blk),
                                 {y[0], y[1]}, B);
         finish(blk, y[0], y[1]);
       }
@@ -97,14 +121,14 @@ void skinny_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t
         ys[s] = y[s];
       }
       const int64_t rows = cols_of(blocks[kStreams - 1]);
-      cpu::skinny_rows<kT, kStreams>(x_ptr, w, K, first, rows, ys, B);
+      skinny_rows<kT, kStreams>(x_ptr, w, K, first, rows, ys, B);
       for (int s = 0; rows < B && s < kStreams - 1; ++s) {
-        cpu::skinny_rows<kT, 1>(x_ptr, w, K, {first[s] + rows}, B - rows, {y[s] + rows}, B);
+        skinny_rows<kT, 1>(x_ptr, w, K, {first[s] + rows}, B - rows, {y[s] + rows}, B);
       }
       for (int s = 0; s < kStreams; ++s) finish(blocks[s], y[s], nullptr);
     }
     for (int64_t blk = begin + kStreams * q; blk < end; ++blk) {
-      cpu::skinny_rows<kT, 1>(x_ptr, w, K, {blk * B}, cols_of(blk), {y[0]}, B);
+      skinny_rows<kT, 1>(x_ptr, w, K, {blk * B}, cols_of(blk), {y[0]}, B);
       finish(blk, y[0], nullptr);
     }
   });

@@ -10,7 +10,13 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "orca/cpu/vec.h"
 
@@ -62,5 +68,62 @@ void skinny_rows(const float* x, const scalar_t* w, int64_t K, const int64_t (&f
     }
   }
 }
+
+#if defined(__AVX512BF16__)
+// The same walk for bfloat16 weights and tokens (bit patterns, [N, K] and [kT, K]) on CPUs with
+// AVX512-BF16: vdpbf16ps multiplies 32 bf16 pairs exactly and adds them into 16 float lanes,
+// so the weights need no widening (half the instructions of converting and FMA-ing in float).
+template <int kT, int kStreams>
+void skinny_rows_bf16(const uint16_t* x, const uint16_t* w, int64_t K,
+                      const int64_t (&first)[kStreams], int64_t rows,
+                      float* const (&y)[kStreams], int64_t y_stride) {
+  constexpr int kChains = kT * kStreams >= 4 ? 1 : 4 / (kT * kStreams);
+  constexpr int64_t kStep = 32 * kChains;
+  const auto load = [](const uint16_t* p) {
+    __m512bh v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  };
+  const auto to_float = [](uint16_t bits) { return std::bit_cast<float>(uint32_t{bits} << 16); };
+  const int64_t k_main = K / kStep * kStep, k_vec = K / 32 * 32;
+  for (int64_t i = 0; i < rows; ++i) {
+    const uint16_t* row[kStreams];
+    for (int s = 0; s < kStreams; ++s) row[s] = w + (first[s] + i) * K;
+    __m512 acc[kStreams][kT][kChains];
+    for (auto& per_stream : acc) {
+      for (auto& per_token : per_stream) {
+        for (auto& a : per_token) a = _mm512_setzero_ps();
+      }
+    }
+    // 32 positions of every stream and token into chain c.
+    const auto chunk = [&](int64_t k, int c) {
+      __m512bh wv[kStreams];
+      for (int s = 0; s < kStreams; ++s) {
+        __builtin_prefetch(reinterpret_cast<const char*>(row[s] + k) + kSkinnyPrefetchBytes, 0, 2);
+        wv[s] = load(row[s] + k);
+      }
+      for (int t = 0; t < kT; ++t) {
+        const __m512bh xv = load(x + t * K + k);
+        for (int s = 0; s < kStreams; ++s) {
+          acc[s][t][c] = _mm512_dpbf16_ps(acc[s][t][c], wv[s], xv);
+        }
+      }
+    };
+    for (int64_t k = 0; k < k_main; k += kStep) {
+      for (int c = 0; c < kChains; ++c) chunk(k + 32 * c, c);
+    }
+    for (int64_t k = k_main; k < k_vec; k += 32) chunk(k, 0);
+    for (int s = 0; s < kStreams; ++s) {
+      for (int t = 0; t < kT; ++t) {
+        __m512 total = acc[s][t][0];
+        for (int c = 1; c < kChains; ++c) total = _mm512_add_ps(total, acc[s][t][c]);
+        float sum = _mm512_reduce_add_ps(total);
+        for (int64_t k = k_vec; k < K; ++k) sum += to_float(x[t * K + k]) * to_float(row[s][k]);
+        y[s][t * y_stride + i] = sum;
+      }
+    }
+  }
+}
+#endif
 
 }  // namespace orca::cpu
