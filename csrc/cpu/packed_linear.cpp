@@ -103,8 +103,8 @@ void skinny_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t
     float y[kStreams][kT * B];
     if (half) {
       for (int64_t blk = begin; blk < end; ++blk) {
-        skinny_rows<kT, 2>(x_ptr, w, K, {blk * B, half + blk * B}, cols_of(blk),
-                                {y[0], y[1]}, B);
+        skinny_rows<kT, 2>(x_ptr, w, K, {blk * B, half + blk * B}, cols_of(blk), {y[0], y[1]},
+                           B);
         finish(blk, y[0], y[1]);
       }
       return;
