@@ -77,9 +77,9 @@ constexpr bool kBf16Dot =
 #endif
 
 // Rows first[s] .. first[s] + rows of the weights against the kT tokens x (float32, or the
-// bfloat16 tokens themselves for the kBf16Dot kernel), into y[s].
+// bfloat16 tokens themselves for the kBf16Dot kernel), into y[s]: picks the header's kernel.
 template <int kT, int kStreams, typename scalar_t>
-void skinny_rows(const void* x, const scalar_t* w, int64_t K, const int64_t (&first)[kStreams],
+void dot_rows(const void* x, const scalar_t* w, int64_t K, const int64_t (&first)[kStreams],
                  int64_t rows, float* const (&y)[kStreams], int64_t y_stride) {
 #if defined(__AVX512BF16__)
   if constexpr (kBf16Dot<scalar_t>) {
@@ -120,8 +120,7 @@ void skinny_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t
     float y[kStreams][kT * B];
     if (half) {
       for (int64_t blk = begin; blk < end; ++blk) {
-        skinny_rows<kT, 2>(x_ptr, w, K, {blk * B, half + blk * B}, cols_of(blk), {y[0], y[1]},
-                           B);
+        dot_rows<kT, 2>(x_ptr, w, K, {blk * B, half + blk * B}, cols_of(blk), {y[0], y[1]}, B);
         finish(blk, y[0], y[1]);
       }
       return;
@@ -138,14 +137,14 @@ void skinny_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t
         ys[s] = y[s];
       }
       const int64_t rows = cols_of(blocks[kStreams - 1]);
-      skinny_rows<kT, kStreams>(x_ptr, w, K, first, rows, ys, B);
+      dot_rows<kT, kStreams>(x_ptr, w, K, first, rows, ys, B);
       for (int s = 0; rows < B && s < kStreams - 1; ++s) {
-        skinny_rows<kT, 1>(x_ptr, w, K, {first[s] + rows}, B - rows, {y[s] + rows}, B);
+        dot_rows<kT, 1>(x_ptr, w, K, {first[s] + rows}, B - rows, {y[s] + rows}, B);
       }
       for (int s = 0; s < kStreams; ++s) finish(blocks[s], y[s], nullptr);
     }
     for (int64_t blk = begin + kStreams * q; blk < end; ++blk) {
-      skinny_rows<kT, 1>(x_ptr, w, K, {blk * B}, cols_of(blk), {y[0]}, B);
+      dot_rows<kT, 1>(x_ptr, w, K, {blk * B}, cols_of(blk), {y[0]}, B);
       finish(blk, y[0], nullptr);
     }
   });
