@@ -87,13 +87,16 @@ MIXES = {
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128])
-def test_ragged_attention_grid(device, mix, block_size, heads, head_dim):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_attention_grid(device, mix, block_size, heads, head_dim, dtype):
+    """bfloat16 too: on CPUs with AVX512-BF16, prefill-like rows take the bf16 pair kernels."""
     q_lens, ctx = MIXES[mix]
-    batch = random_ragged_batch(q_lens, ctx, *heads, head_dim, block_size, device=device)
+    batch = random_ragged_batch(q_lens, ctx, *heads, head_dim, block_size, dtype=dtype,
+                                device=device)
     out = ops.ragged_attention(*batch.args())
     expected = ref.ragged_attention(*(a.cpu() if torch.is_tensor(a) else a for a in batch.args()))
     assert out.shape == expected.shape
-    assert_close(out, expected, torch.float32)
+    assert_close(out, expected, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 
+#include "bf16_dot.h"
 #include "checks.h"
 #include "orca/cpu/math.h"
 #include "orca/cpu/skinny_linear.h"
@@ -66,15 +67,6 @@ void epilogue(const in_t* in, const in_t* up_in, int64_t in_stride, int64_t rows
     epilogue_rows<act, false>(in, up_in, in_stride, rows, cols, bias, up_bias, out, out_stride);
   }
 }
-
-// bfloat16 weights and tokens go through the AVX512-BF16 dot products where the build has them.
-template <typename scalar_t>
-constexpr bool kBf16Dot =
-#if defined(__AVX512BF16__)
-    std::is_same_v<scalar_t, at::BFloat16>;
-#else
-    false;
-#endif
 
 // Rows first[s] .. first[s] + rows of the weights against the kT tokens x (float32, or the
 // bfloat16 tokens themselves for the kBf16Dot kernel), into y[s]: picks the header's kernel.

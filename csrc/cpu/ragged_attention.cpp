@@ -8,6 +8,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "bf16_dot.h"
 #include "checks.h"
 #include "orca/cpu/attention.h"
 
@@ -133,7 +134,7 @@ void run_attention(const cpu::AttentionArgs<scalar_t>& args, const Plan& plan,
                    const cpu::Partials& part) {
   run_dynamic(static_cast<int64_t>(plan.items.size()), plan.parallel, [&](int64_t i) {
     thread_local cpu::AttentionScratch scratch;
-    cpu::attend<kD>(args, plan.items[i], scratch, part);
+    cpu::attend<kD, kBf16Dot<scalar_t>>(args, plan.items[i], scratch, part);
   });
   run_dynamic(static_cast<int64_t>(plan.merges.size()), plan.parallel, [&](int64_t i) {
     cpu::merge_partials(args, plan.merges[i].first, plan.merges[i].second, part);

@@ -9,10 +9,16 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
+#include <cstring>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "orca/cpu/math.h"
 #include "orca/cpu/vec.h"
@@ -69,62 +75,115 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct AttentionScratch {
   std::vector<float> q, acc, k_t, v, m, l, p;
+  // Prefill-like rows as vector lanes: Q^T [D][W], the rows' running (acc, m, l), the tile's
+  // rescale factors, K/V rows widened to float, and a zero K row to pad the last key step.
+  std::vector<float> qt, lane_acc, lane_m, lane_l, alpha, k_float, v_float, zero_row;
+  std::vector<uint32_t> q_pairs, p_pairs, v_pairs;  // bfloat16 pairs (kBf16Dot)
 };
 
-// Rows of queries processed together against one KV tile: enough to reuse each K/V load
-// several times, few enough that the accumulators stay in registers.
-template <int kD>
-constexpr int rows_per_block() {
-  return kD <= 96 ? 4 : (kD <= 128 ? 2 : 1);
+// ---- Prefill-like items (many query rows per KV head): the query rows are the vector lanes.
+// Q is transposed once per item to [D][W] (W = rows rounded up to 16), so a KV tile's scores
+// come out as [tile][W] vectors from K rows read in cache layout (no per-tile transpose), and
+// the online softmax (max, exp, sum over the tile) is element-wise across rows.
+
+constexpr int64_t kMaxLaneRows = 64;  // rows per pass: 4 vectors of scores per key
+constexpr int kKeysPerStep = 4;       // keys scored together (4 x 4 accumulators in registers)
+
+// Stores one step's scores x[jj][rv] (keys j0 + jj) into s[j][W], as -inf where the key is
+// not visible to the row (checked only when `masked`: the tile crosses the causal diagonal or
+// is short), and folds them into each row's tile maximum.
+template <int kRV>
+inline void store_scores(const vec16 (&x)[kKeysPerStep][kRV], int64_t j0, int64_t nt,
+                         bool masked, const int16v* row_pos, int64_t t0, float* s,
+                         vec16* tile_max) {
+  constexpr int W = kRV * 16;
+  const vec16 neg_inf = vec16{} + kNegInf;
+  for (int jj = 0; jj < kKeysPerStep; ++jj) {
+    // Keys past the tile's end are visible to no row.
+    const int key_pos = j0 + jj < nt ? static_cast<int>(t0 + j0 + jj) : INT32_MAX;
+    for (int rv = 0; rv < kRV; ++rv) {
+      const vec16 v = masked ? (row_pos[rv] >= key_pos ? x[jj][rv] : neg_inf) : x[jj][rv];
+      store16(s + (j0 + jj) * W + 16 * rv, v);
+      tile_max[rv] = tile_max[rv] > v ? tile_max[rv] : v;
+    }
+  }
 }
 
-// One KV tile against kR query rows: scores, online-softmax update of (m, l), and
-// acc = acc * alpha + P V. q rows are pre-scaled; visible[r] is how many of the tile's KV
-// positions row r may see (causal); rows with visible <= 0 are skipped.
-template <int kD, int kR>
-inline void tile_update(const float* const* q, const float* k_t, const float* v,
-                        const int64_t* visible, float* const* acc, float* m, float* l) {
+// Scores of one KV tile, s[j][W] = q_r . k_j (masked as store_scores says), and each row's
+// maximum in tile_max. k_rows has nt rows, padded to a whole step with zero rows.
+template <int kD, int kRV>
+inline void tile_scores(const float* qt, const float* const* k_rows, int64_t nt, bool masked,
+                        const int16v* row_pos, int64_t t0, float* s, vec16* tile_max) {
+  constexpr int W = kRV * 16;
+  for (int rv = 0; rv < kRV; ++rv) tile_max[rv] = vec16{} + kNegInf;
+  for (int64_t j0 = 0; j0 < nt; j0 += kKeysPerStep) {
+    vec16 acc[kKeysPerStep][kRV] = {};
+    for (int d = 0; d < kD; ++d) {
+      vec16 q[kRV];
+      for (int rv = 0; rv < kRV; ++rv) q[rv] = load16(qt + d * W + 16 * rv);
+      for (int jj = 0; jj < kKeysPerStep; ++jj) {
+        const float k = k_rows[j0 + jj][d];
+        for (int rv = 0; rv < kRV; ++rv) acc[jj][rv] += k * q[rv];
+      }
+    }
+    store_scores<kRV>(acc, j0, nt, masked, row_pos, t0, s, tile_max);
+  }
+}
+
+// Online-softmax step for one tile: scores in s become probabilities exp(s - m_new), and each
+// row's (m, l) is updated; alpha = exp(m_old - m_new) is the factor its acc must be scaled by.
+template <int kRV>
+inline void tile_softmax(float* s, int64_t nt, const vec16* tile_max, float* m, float* l,
+                         float* alpha) {
+  constexpr int W = kRV * 16;
+  const vec16 neg_inf = vec16{} + kNegInf, zero = vec16{};
+  for (int rv = 0; rv < kRV; ++rv) {
+    const vec16 m_old = load16(m + 16 * rv);
+    const vec16 m_new = m_old > tile_max[rv] ? m_old : tile_max[rv];
+    // A row that has seen no key yet (m = -inf) has acc = l = 0: scale by 0, never by NaN.
+    const vec16 a = m_old == neg_inf ? zero : fast_exp(m_old - m_new);
+    const vec16 base = m_new == neg_inf ? zero : m_new;
+    vec16 sum = zero;
+    for (int64_t j = 0; j < nt; ++j) {
+      const vec16 x = load16(s + j * W + 16 * rv);
+      const vec16 p = x == neg_inf ? zero : fast_exp(x - base);
+      store16(s + j * W + 16 * rv, p);
+      sum += p;
+    }
+    store16(l + 16 * rv, load16(l + 16 * rv) * a + sum);
+    store16(m + 16 * rv, m_new);
+    store16(alpha + 16 * rv, a);
+  }
+}
+
+// Rows whose output accumulators stay in registers while a tile's V rows stream past.
+template <int kD>
+constexpr int pv_rows() {
   constexpr int kNV = kD / 16;
-  vec16 s[kR][2] = {};
-  for (int d = 0; d < kD; ++d) {
-    const vec16 k0 = load16(k_t + d * kKvTile), k1 = load16(k_t + d * kKvTile + 16);
-    for (int r = 0; r < kR; ++r) {
-      s[r][0] += q[r][d] * k0;
-      s[r][1] += q[r][d] * k1;
+  return kNV <= 2 ? 8 : (kNV <= 5 ? 4 : 2);
+}
+
+// acc[r] = acc[r] * alpha[r] + sum_j p[j][r] v_j for the W rows (acc is [W][kD]).
+template <int kD>
+inline void tile_pv(const float* p, int64_t W, const float* const* v_rows, int64_t nt,
+                    const float* alpha, float* acc) {
+  constexpr int kNV = kD / 16, kRB = pv_rows<kD>();
+  for (int64_t r0 = 0; r0 < W; r0 += kRB) {
+    vec16 o[kRB][kNV];
+    for (int rb = 0; rb < kRB; ++rb) {
+      for (int c = 0; c < kNV; ++c) o[rb][c] = load16(acc + (r0 + rb) * kD + 16 * c) * alpha[r0 + rb];
     }
-  }
-  float p[kR][kKvTile];
-  float alpha[kR];
-  for (int r = 0; r < kR; ++r) {
-    float sr[kKvTile];
-    store16(sr, s[r][0]);
-    store16(sr + 16, s[r][1]);
-    float tile_max = kNegInf;
-    for (int64_t j = 0; j < visible[r]; ++j) tile_max = std::max(tile_max, sr[j]);
-    const float m_new = std::max(m[r], tile_max);
-    alpha[r] = m[r] == kNegInf ? 0.f : fast_exp(m[r] - m_new);
-    for (int j = 0; j < kKvTile; ++j) p[r][j] = j < visible[r] ? fast_exp(sr[j] - m_new) : 0.f;
-    float sum = 0.f;
-    for (int j = 0; j < kKvTile; ++j) sum += p[r][j];
-    l[r] = l[r] * alpha[r] + sum;
-    m[r] = visible[r] > 0 ? m_new : m[r];
-  }
-  vec16 a[kR][kNV];
-  for (int r = 0; r < kR; ++r) {
-    for (int c = 0; c < kNV; ++c) a[r][c] = load16(acc[r] + 16 * c) * alpha[r];
-  }
-  int64_t tile_visible = 0;
-  for (int r = 0; r < kR; ++r) tile_visible = std::max(tile_visible, visible[r]);
-  for (int64_t j = 0; j < tile_visible; ++j) {
-    vec16 vv[kNV];
-    for (int c = 0; c < kNV; ++c) vv[c] = load16(v + j * kD + 16 * c);
-    for (int r = 0; r < kR; ++r) {
-      for (int c = 0; c < kNV; ++c) a[r][c] += p[r][j] * vv[c];
+    for (int64_t j = 0; j < nt; ++j) {
+      vec16 v[kNV];
+      for (int c = 0; c < kNV; ++c) v[c] = load16(v_rows[j] + 16 * c);
+      for (int rb = 0; rb < kRB; ++rb) {
+        const float pj = p[j * W + r0 + rb];
+        for (int c = 0; c < kNV; ++c) o[rb][c] += pj * v[c];
+      }
     }
-  }
-  for (int r = 0; r < kR; ++r) {
-    if (visible[r] <= 0) continue;  // untouched (alpha may be 0 for a row with m = -inf)
-    for (int c = 0; c < kNV; ++c) store16(acc[r] + 16 * c, a[r][c]);
+    for (int rb = 0; rb < kRB; ++rb) {
+      for (int c = 0; c < kNV; ++c) store16(acc + (r0 + rb) * kD + 16 * c, o[rb][c]);
+    }
   }
 }
 
@@ -220,107 +279,118 @@ inline void tile_update_scalar(int64_t D, const float* q, const float* k_t, cons
   m = m_new;
 }
 
-// kD > 0 (a multiple of 16) fixes head_dim at compile time for the vector path; 0 runs the
-// scalar path with a.head_dim.
-template <int kD, typename scalar_t>
-void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionScratch& sc,
-            const Partials& part) {
-  static_assert(kD % 16 == 0);
-  const int64_t D = kD > 0 ? kD : a.head_dim;
-  const int64_t G = a.num_q_heads / a.num_kv_heads, Hkv = a.num_kv_heads;
-  const int64_t head_rows = (w.q_end - w.q_begin) * G, rows = w.num_rows(G);
-  const int64_t q_len = a.cu_q_lens[w.request + 1] - a.cu_q_lens[w.request];
-  const int64_t first_pos = a.context_lens[w.request] - q_len + w.q_begin;
-  const int32_t* blocks = a.block_table + w.request * a.max_blocks;
+#if defined(__AVX512BF16__)
+// bfloat16 caches on CPUs with AVX512-BF16: Q.K and P.V as dot products of bf16 pairs
+// (vdpbf16ps: exact products, float sums), half the instructions of widening to float. q and
+// K stay exact (the scale is applied to the scores); P is rounded to bfloat16 for P.V, as GPU
+// flash attention does. "Pairs" are 32-bit words of two bf16, the lower one first.
 
-  sc.q.resize(rows * D);
-  sc.acc.assign(rows * D, 0.f);
-  sc.k_t.assign(D * kKvTile, 0.f);
-  sc.v.assign(kKvTile * D, 0.f);
-  sc.m.assign(rows, kNegInf);
-  sc.l.assign(rows, 0.f);
-  float* qs = sc.q.data();
-  for (int64_t row = 0; row < rows; ++row) {
-    const RowPlace at = row_place(a, w, row);
-    const scalar_t* src = a.q + at.token * a.q_stride_token + at.q_head * a.q_stride_head;
-    for (int64_t d = 0; d < D; ++d) qs[row * D + d] = static_cast<float>(src[d]) * a.scale;
+// 16 bf16 of a and 16 of b interleaved into 16 pairs (a_i, b_i).
+inline __m512i interleave_bf16(__m256i a, __m256i b) {
+  static constexpr auto kIndex = [] {
+    std::array<uint16_t, 32> index{};
+    for (int i = 0; i < 16; ++i) {
+      index[2 * i] = static_cast<uint16_t>(i);
+      index[2 * i + 1] = static_cast<uint16_t>(32 + i);  // bit 5: from b
+    }
+    return index;
+  }();
+  return _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), _mm512_loadu_si512(kIndex.data()),
+                                   _mm512_castsi256_si512(b));
+}
+
+// tile_scores with Q^T as pairs ([kD/2][W]: dims 2i, 2i+1 of each row) against bf16 K rows.
+template <int kD, int kRV>
+inline void tile_scores_bf16(const uint32_t* q_pairs, const uint16_t* const* k_rows, int64_t nt,
+                             bool masked, const int16v* row_pos, int64_t t0, float scale,
+                             float* s, vec16* tile_max) {
+  constexpr int W = kRV * 16;
+  for (int rv = 0; rv < kRV; ++rv) tile_max[rv] = vec16{} + kNegInf;
+  for (int64_t j0 = 0; j0 < nt; j0 += kKeysPerStep) {
+    __m512 acc[kKeysPerStep][kRV];
+    for (auto& per_key : acc) {
+      for (auto& a : per_key) a = _mm512_setzero_ps();
+    }
+    for (int dp = 0; dp < kD / 2; ++dp) {
+      __m512bh q[kRV];
+      for (int rv = 0; rv < kRV; ++rv) {
+        q[rv] = (__m512bh)_mm512_loadu_si512(q_pairs + dp * W + 16 * rv);
+      }
+      for (int jj = 0; jj < kKeysPerStep; ++jj) {
+        uint32_t k_pair;
+        std::memcpy(&k_pair, k_rows[j0 + jj] + 2 * dp, sizeof(k_pair));
+        const __m512bh k = (__m512bh)_mm512_set1_epi32(static_cast<int>(k_pair));
+        for (int rv = 0; rv < kRV; ++rv) acc[jj][rv] = _mm512_dpbf16_ps(acc[jj][rv], q[rv], k);
+      }
+    }
+    vec16 x[kKeysPerStep][kRV];
+    for (int jj = 0; jj < kKeysPerStep; ++jj) {
+      for (int rv = 0; rv < kRV; ++rv) x[jj][rv] = (vec16)acc[jj][rv] * scale;
+    }
+    store_scores<kRV>(x, j0, nt, masked, row_pos, t0, s, tile_max);
   }
+}
 
-  constexpr int kR = kD > 0 ? rows_per_block<kD>() : 1;
-  // Few rows per head (decode): read K/V rows in place. Many (prefill): gather each tile once.
-  const bool direct = kD > 0 && head_rows <= kMaxDirectRows;
-  sc.p.resize(rows * kKvTile);
-  int64_t slot_offset[kKvTile];
-  const scalar_t* k_rows[kKvTile];
-  const scalar_t* v_rows[kKvTile];
-  for (int64_t t0 = w.kv_begin; t0 < w.kv_end; t0 += kKvTile) {
-    const int64_t nt = std::min<int64_t>(kKvTile, w.kv_end - t0);
-    for (int64_t j = 0; j < nt; ++j) {
-      const int64_t pos = t0 + j;
-      slot_offset[j] = (static_cast<int64_t>(blocks[pos / a.block_size]) * a.block_size +
-                        pos % a.block_size) * Hkv * D;
-    }
-    // KV positions <= a query's own position are visible to it (causal).
-    auto visible = [&](int64_t head_row) {
-      return std::min<int64_t>(nt, first_pos + head_row / G - t0 + 1);
-    };
-    if constexpr (kD > 0) {
-      if (direct) {
-        int64_t vis[kMaxDirectRows];
-        for (int64_t r = 0; r < head_rows; ++r) vis[r] = visible(r);
-        direct_tile<kD>(a.k_cache + w.kv_head_begin * kD, a.v_cache + w.kv_head_begin * kD,
-                        slot_offset, nt, w.kv_head_end - w.kv_head_begin, head_rows, vis, sc);
-        continue;
-      }
-    }
-    // Prefill-like items (one head each): gather the tile, then blocks of kR query rows.
-    for (int64_t h = w.kv_head_begin; h < w.kv_head_end; ++h) {
-      const int64_t row_base = (h - w.kv_head_begin) * head_rows;
-      for (int64_t j = 0; j < nt; ++j) {
-        k_rows[j] = a.k_cache + slot_offset[j] + h * D;
-        v_rows[j] = a.v_cache + slot_offset[j] + h * D;
-      }
-      // K transposed to [D, tile] so scores vectorize over the tile, V as [tile, D] so the
-      // weighted sum vectorizes over D.
-      for (int64_t j = 0; j < nt; ++j) {
-        float* vrow = sc.v.data() + j * D;
-        for (int64_t d = 0; d < D; ++d) {
-          sc.k_t[d * kKvTile + j] = static_cast<float>(k_rows[j][d]);
-          vrow[d] = static_cast<float>(v_rows[j][d]);
-        }
-      }
-      if constexpr (kD > 0) {
-        for (int64_t r0 = 0; r0 < head_rows; r0 += kR) {
-          // A short last block repeats its last row and discards the copies' results.
-          const float* q_rows[kR];
-          float* acc_rows[kR];
-          float m[kR], l[kR];
-          int64_t vis[kR];
-          for (int r = 0; r < kR; ++r) {
-            const int64_t row = row_base + std::min<int64_t>(r0 + r, head_rows - 1);
-            q_rows[r] = qs + row * kD;
-            acc_rows[r] = sc.acc.data() + row * kD;
-            m[r] = sc.m[row];
-            l[r] = sc.l[row];
-            vis[r] = r0 + r < head_rows ? visible(r0 + r) : 0;
-          }
-          tile_update<kD, kR>(q_rows, sc.k_t.data(), sc.v.data(), vis, acc_rows, m, l);
-          for (int r = 0; r < kR && r0 + r < head_rows; ++r) {
-            sc.m[row_base + r0 + r] = m[r];
-            sc.l[row_base + r0 + r] = l[r];
-          }
-        }
-      } else {
-        for (int64_t r = 0; r < head_rows; ++r) {
-          const int64_t row = row_base + r;
-          if (visible(r) <= 0) continue;
-          tile_update_scalar(D, qs + row * D, sc.k_t.data(), sc.v.data(), visible(r),
-                             sc.acc.data() + row * D, sc.m[row], sc.l[row]);
-        }
-      }
+// Probabilities p [2 * num_pairs][W] (float) to pairs [num_pairs][W] of keys (2i, 2i+1).
+template <int kRV>
+inline void pack_p_pairs(const float* p, int64_t num_pairs, uint32_t* p_pairs) {
+  constexpr int W = kRV * 16;
+  for (int64_t i = 0; i < num_pairs; ++i) {
+    for (int rv = 0; rv < kRV; ++rv) {
+      const __m256i even = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + 2 * i * W + 16 * rv));
+      const __m256i odd =
+          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + (2 * i + 1) * W + 16 * rv));
+      _mm512_storeu_si512(p_pairs + i * W + 16 * rv, interleave_bf16(even, odd));
     }
   }
+}
 
+// V rows (bf16, 2 * num_pairs of them) to pairs [num_pairs][kD] of rows (2i, 2i+1).
+template <int kD>
+inline void pack_v_pairs(const uint16_t* const* v_rows, int64_t num_pairs, uint32_t* v_pairs) {
+  for (int64_t i = 0; i < num_pairs; ++i) {
+    for (int c = 0; c < kD / 16; ++c) {
+      const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows[2 * i] + 16 * c));
+      const __m256i odd =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows[2 * i + 1] + 16 * c));
+      _mm512_storeu_si512(v_pairs + i * kD + 16 * c, interleave_bf16(even, odd));
+    }
+  }
+}
+
+// tile_pv on pairs of keys.
+template <int kD>
+inline void tile_pv_bf16(const uint32_t* p_pairs, int64_t W, const uint32_t* v_pairs,
+                         int64_t num_pairs, const float* alpha, float* acc) {
+  constexpr int kNV = kD / 16, kRB = pv_rows<kD>();
+  for (int64_t r0 = 0; r0 < W; r0 += kRB) {
+    __m512 o[kRB][kNV];
+    for (int rb = 0; rb < kRB; ++rb) {
+      const __m512 scale = _mm512_set1_ps(alpha[r0 + rb]);
+      for (int c = 0; c < kNV; ++c) {
+        o[rb][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + rb) * kD + 16 * c), scale);
+      }
+    }
+    for (int64_t i = 0; i < num_pairs; ++i) {
+      __m512bh v[kNV];
+      for (int c = 0; c < kNV; ++c) v[c] = (__m512bh)_mm512_loadu_si512(v_pairs + i * kD + 16 * c);
+      for (int rb = 0; rb < kRB; ++rb) {
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(p_pairs[i * W + r0 + rb]));
+        for (int c = 0; c < kNV; ++c) o[rb][c] = _mm512_dpbf16_ps(o[rb][c], v[c], p);
+      }
+    }
+    for (int rb = 0; rb < kRB; ++rb) {
+      for (int c = 0; c < kNV; ++c) _mm512_storeu_ps(acc + (r0 + rb) * kD + 16 * c, o[rb][c]);
+    }
+  }
+}
+#endif
+
+// Writes a finished item's rows: normalized into out, or as (o, m, l) partials of a split.
+template <typename scalar_t>
+void write_rows(const AttentionArgs<scalar_t>& a, const AttentionWork& w, int64_t rows,
+                const AttentionScratch& sc, const Partials& part) {
+  const int64_t D = a.head_dim;
   for (int64_t row = 0; row < rows; ++row) {
     const float* acc = sc.acc.data() + row * D;
     if (w.partial_row < 0) {
@@ -335,6 +405,194 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
       part.l[prow] = sc.l[row];
     }
   }
+}
+
+// Rows [row_begin, row_begin + count) of KV head h's rows of a prefill-like item (count <=
+// 16 * kRV) against the item's KV range, as vector lanes; leaves their (acc, m, l) in sc.acc,
+// sc.m and sc.l at the item's row numbers, row_base being the head's first. kBf16Dot: the
+// bfloat16 pair kernels (scalar_t is bfloat16).
+template <int kD, int kRV, bool kBf16Dot, typename scalar_t>
+void attend_lanes(const AttentionArgs<scalar_t>& a, const AttentionWork& w, int64_t h,
+                  int64_t row_base, int64_t row_begin, int64_t count, int64_t first_pos,
+                  AttentionScratch& sc) {
+  constexpr int W = kRV * 16;
+  const int64_t G = a.num_q_heads / a.num_kv_heads, Hkv = a.num_kv_heads;
+  const int32_t* blocks = a.block_table + w.request * a.max_blocks;
+
+  // Q^T: floats pre-scaled, or pairs as they are. Padding lanes are zero, at position -1:
+  // they see no key in masked tiles, and their results are never read.
+  if constexpr (kBf16Dot) {
+    sc.q_pairs.assign(kD / 2 * W, 0);
+  } else {
+    sc.qt.assign(kD * W, 0.f);
+  }
+  alignas(64) int32_t pos[W];
+  for (int r = 0; r < W; ++r) pos[r] = r < count ? first_pos + (row_begin + r) / G : -1;
+  for (int64_t r = 0; r < count; ++r) {
+    const RowPlace at = row_place(a, w, row_base + row_begin + r);
+    const scalar_t* src = a.q + at.token * a.q_stride_token + at.q_head * a.q_stride_head;
+    if constexpr (kBf16Dot) {
+      for (int i = 0; i < kD / 2; ++i) std::memcpy(&sc.q_pairs[i * W + r], src + 2 * i, 4);
+    } else {
+      for (int d = 0; d < kD; ++d) sc.qt[d * W + r] = static_cast<float>(src[d]) * a.scale;
+    }
+  }
+  int16v row_pos[kRV];
+  std::memcpy(row_pos, pos, sizeof(pos));
+  const int64_t min_pos = pos[0];
+
+  sc.lane_acc.assign(W * kD, 0.f);
+  sc.lane_m.assign(W, kNegInf);
+  sc.lane_l.assign(W, 0.f);
+  sc.alpha.resize(W);
+  sc.p.resize((kKvTile + kKeysPerStep) * W);
+  sc.zero_row.assign(kD, 0.f);
+  if constexpr (kBf16Dot) {
+    sc.p_pairs.resize(kKvTile / 2 * W);
+    sc.v_pairs.resize(kKvTile / 2 * kD);
+  } else if constexpr (!std::is_same_v<scalar_t, float>) {
+    sc.k_float.resize(kKvTile * kD);
+    sc.v_float.resize(kKvTile * kD);
+  }
+  // Cache rows for kBf16Dot, else float rows; the last step is padded with zero rows.
+  using row_t = std::conditional_t<kBf16Dot, uint16_t, float>;
+  const row_t* k_rows[kKvTile + kKeysPerStep];
+  const row_t* v_rows[kKvTile + kKeysPerStep];
+  const row_t* zero_row = reinterpret_cast<const row_t*>(sc.zero_row.data());
+  for (int64_t t0 = w.kv_begin; t0 < w.kv_end; t0 += kKvTile) {
+    const int64_t nt = std::min<int64_t>(kKvTile, w.kv_end - t0);
+    const int64_t nt_padded = (nt + kKeysPerStep - 1) / kKeysPerStep * kKeysPerStep;
+    for (int64_t j = 0; j < nt; ++j) {
+      const int64_t t = t0 + j;
+      const int64_t offset = ((static_cast<int64_t>(blocks[t / a.block_size]) * a.block_size +
+                               t % a.block_size) * Hkv + h) * kD;
+      if constexpr (kBf16Dot) {
+        k_rows[j] = reinterpret_cast<const uint16_t*>(a.k_cache + offset);
+        v_rows[j] = reinterpret_cast<const uint16_t*>(a.v_cache + offset);
+      } else {
+        k_rows[j] = float_row<kD>(a.k_cache + offset, sc.k_float.data() + j * kD);
+        v_rows[j] = float_row<kD>(a.v_cache + offset, sc.v_float.data() + j * kD);
+      }
+    }
+    for (int64_t j = nt; j < nt_padded; ++j) k_rows[j] = v_rows[j] = zero_row;
+    const bool masked = nt < kKvTile || t0 + nt - 1 > min_pos;
+    vec16 tile_max[kRV];
+#if defined(__AVX512BF16__)
+    if constexpr (kBf16Dot) {
+      tile_scores_bf16<kD, kRV>(sc.q_pairs.data(), k_rows, nt, masked, row_pos, t0, a.scale,
+                                sc.p.data(), tile_max);
+      tile_softmax<kRV>(sc.p.data(), nt_padded, tile_max, sc.lane_m.data(), sc.lane_l.data(),
+                        sc.alpha.data());
+      // Keys padded to an even count: the padding has p = 0 and a zero V row.
+      const int64_t num_pairs = (nt + 1) / 2;
+      pack_p_pairs<kRV>(sc.p.data(), num_pairs, sc.p_pairs.data());
+      pack_v_pairs<kD>(v_rows, num_pairs, sc.v_pairs.data());
+      tile_pv_bf16<kD>(sc.p_pairs.data(), W, sc.v_pairs.data(), num_pairs, sc.alpha.data(),
+                       sc.lane_acc.data());
+      continue;
+    }
+#endif
+    if constexpr (!kBf16Dot) {
+      tile_scores<kD, kRV>(sc.qt.data(), k_rows, nt, masked, row_pos, t0, sc.p.data(),
+                           tile_max);
+      tile_softmax<kRV>(sc.p.data(), nt_padded, tile_max, sc.lane_m.data(), sc.lane_l.data(),
+                        sc.alpha.data());
+      tile_pv<kD>(sc.p.data(), W, v_rows, nt, sc.alpha.data(), sc.lane_acc.data());
+    }
+  }
+  const int64_t row0 = row_base + row_begin;
+  std::copy_n(sc.lane_acc.data(), count * kD, sc.acc.data() + row0 * kD);
+  std::copy_n(sc.lane_m.data(), count, sc.m.data() + row0);
+  std::copy_n(sc.lane_l.data(), count, sc.l.data() + row0);
+}
+
+// kD > 0 (a multiple of 16) fixes head_dim at compile time for the vector paths; 0 runs the
+// scalar path with a.head_dim. kBf16Dot: prefill-like items use the bfloat16 pair kernels.
+template <int kD, bool kBf16Dot, typename scalar_t>
+void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionScratch& sc,
+            const Partials& part) {
+  static_assert(kD % 16 == 0);
+  const int64_t D = kD > 0 ? kD : a.head_dim;
+  const int64_t G = a.num_q_heads / a.num_kv_heads, Hkv = a.num_kv_heads;
+  const int64_t head_rows = (w.q_end - w.q_begin) * G, rows = w.num_rows(G);
+  const int64_t q_len = a.cu_q_lens[w.request + 1] - a.cu_q_lens[w.request];
+  const int64_t first_pos = a.context_lens[w.request] - q_len + w.q_begin;
+  const int32_t* blocks = a.block_table + w.request * a.max_blocks;
+
+  sc.acc.assign(rows * D, 0.f);
+  sc.m.assign(rows, kNegInf);
+  sc.l.assign(rows, 0.f);
+  // Few rows per head (decode): read K/V rows in place, all heads at once. Many (prefill):
+  // rows as vector lanes, one head at a time.
+  const bool direct = kD > 0 && head_rows <= kMaxDirectRows;
+  if constexpr (kD > 0) {
+    if (!direct) {
+      for (int64_t h = w.kv_head_begin; h < w.kv_head_end; ++h) {
+        const int64_t row_base = (h - w.kv_head_begin) * head_rows;
+        for (int64_t r0 = 0; r0 < head_rows; r0 += kMaxLaneRows) {
+          const int64_t count = std::min(kMaxLaneRows, head_rows - r0);
+          switch ((count + 15) / 16) {
+            case 1: attend_lanes<kD, 1, kBf16Dot>(a, w, h, row_base, r0, count, first_pos, sc); break;
+            case 2: attend_lanes<kD, 2, kBf16Dot>(a, w, h, row_base, r0, count, first_pos, sc); break;
+            case 3: attend_lanes<kD, 3, kBf16Dot>(a, w, h, row_base, r0, count, first_pos, sc); break;
+            default: attend_lanes<kD, 4, kBf16Dot>(a, w, h, row_base, r0, count, first_pos, sc);
+          }
+        }
+      }
+      write_rows(a, w, rows, sc, part);
+      return;
+    }
+  }
+
+  sc.q.resize(rows * D);
+  sc.k_t.assign(D * kKvTile, 0.f);
+  sc.v.assign(kKvTile * D, 0.f);
+  float* qs = sc.q.data();
+  for (int64_t row = 0; row < rows; ++row) {
+    const RowPlace at = row_place(a, w, row);
+    const scalar_t* src = a.q + at.token * a.q_stride_token + at.q_head * a.q_stride_head;
+    for (int64_t d = 0; d < D; ++d) qs[row * D + d] = static_cast<float>(src[d]) * a.scale;
+  }
+  sc.p.resize(rows * kKvTile);
+  int64_t slot_offset[kKvTile];
+  for (int64_t t0 = w.kv_begin; t0 < w.kv_end; t0 += kKvTile) {
+    const int64_t nt = std::min<int64_t>(kKvTile, w.kv_end - t0);
+    for (int64_t j = 0; j < nt; ++j) {
+      const int64_t pos = t0 + j;
+      slot_offset[j] = (static_cast<int64_t>(blocks[pos / a.block_size]) * a.block_size +
+                        pos % a.block_size) * Hkv * D;
+    }
+    // KV positions <= a query's own position are visible to it (causal).
+    auto visible = [&](int64_t head_row) {
+      return std::min<int64_t>(nt, first_pos + head_row / G - t0 + 1);
+    };
+    if constexpr (kD > 0) {
+      int64_t vis[kMaxDirectRows];
+      for (int64_t r = 0; r < head_rows; ++r) vis[r] = visible(r);
+      direct_tile<kD>(a.k_cache + w.kv_head_begin * kD, a.v_cache + w.kv_head_begin * kD,
+                      slot_offset, nt, w.kv_head_end - w.kv_head_begin, head_rows, vis, sc);
+    } else {
+      // Head dims that are not a multiple of 16: gather the tile (K transposed to [D, tile]
+      // so scores vectorize over the tile), then one query row at a time.
+      for (int64_t h = w.kv_head_begin; h < w.kv_head_end; ++h) {
+        for (int64_t j = 0; j < nt; ++j) {
+          const scalar_t* k_row = a.k_cache + slot_offset[j] + h * D;
+          const scalar_t* v_row = a.v_cache + slot_offset[j] + h * D;
+          for (int64_t d = 0; d < D; ++d) {
+            sc.k_t[d * kKvTile + j] = static_cast<float>(k_row[d]);
+            sc.v[j * D + d] = static_cast<float>(v_row[d]);
+          }
+        }
+        for (int64_t r = 0; r < head_rows; ++r) {
+          const int64_t row = (h - w.kv_head_begin) * head_rows + r;
+          if (visible(r) <= 0) continue;
+          tile_update_scalar(D, qs + row * D, sc.k_t.data(), sc.v.data(), visible(r),
+                             sc.acc.data() + row * D, sc.m[row], sc.l[row]);
+        }
+      }
+    }
+  }
+  write_rows(a, w, rows, sc, part);
 }
 
 // Combines num_splits consecutive partial blocks (split-major) of one work item's rows into
