@@ -1,6 +1,6 @@
 """Op benchmarks: orca ops against torch baselines measured in the same run.
 
-    python bench/ops.py [--device cpu|cuda] [--seed 0]
+    python bench/ops.py [--device cpu|cuda] [--seed 0] [--attention-dtype float32|bfloat16]
 
 CPU figures (targets on a 2-core machine): packed_linear >= 0.95x F.linear, faster than
 F.linear + a separate activation; ragged_attention >= 2x a per-request SDPA loop and >= 1.5x
@@ -43,7 +43,8 @@ def bench_linear(device: str) -> None:
             print(row(f"T={T} {K}->{N} {act}", ours, base, "linear+act"))
 
 
-def orca_batch(num_decode: int, num_prefill: int, rng: random.Random, device: str) -> RaggedBatch:
+def orca_batch(num_decode: int, num_prefill: int, rng: random.Random, device: str,
+               dtype: torch.dtype) -> RaggedBatch:
     """Orca-like mix: decodes with contexts ~U[32,640] and prefills of ~U[32,512] tokens."""
     q_lens, ctx = [], []
     for _ in range(num_prefill):
@@ -53,7 +54,8 @@ def orca_batch(num_decode: int, num_prefill: int, rng: random.Random, device: st
     for _ in range(num_decode):
         q_lens.append(1)
         ctx.append(rng.randint(32, 640))
-    return random_ragged_batch(q_lens, ctx, 12, 12, 64, 16, device=device, seed=rng.randint(0, 99))
+    return random_ragged_batch(q_lens, ctx, 12, 12, 64, 16, dtype=dtype, device=device,
+                               seed=rng.randint(0, 99))
 
 
 def per_request_sdpa(batch: RaggedBatch, slots: list[torch.Tensor]):
@@ -115,19 +117,22 @@ def request_slots(batch: RaggedBatch) -> list[torch.Tensor]:
     return out
 
 
-def bench_attention(device: str, seed: int) -> None:
-    print("== ragged_attention (12 heads x 64, block_size 16, float32) ==")
+def bench_attention(device: str, seed: int, dtype: torch.dtype) -> None:
+    print(f"== ragged_attention (12 heads x 64, block_size 16, {str(dtype).split('.')[1]}) ==")
     rng = random.Random(seed)
-    cases = [(f"32 decodes + {p} prefills", orca_batch(32, p, rng, device)) for p in (0, 1, 2)]
+    cases = [(f"32 decodes + {p} prefills", orca_batch(32, p, rng, device, dtype))
+             for p in (0, 1, 2)]
     cases.append(("1 long decode, context 8192",
-                  random_ragged_batch([1], [8192], 12, 12, 64, 16, device=device)))
+                  random_ragged_batch([1], [8192], 12, 12, 64, 16, dtype=dtype, device=device)))
     cases.append(("1 long prefill, 2048 tokens",
-                  random_ragged_batch([2048], [2048], 12, 12, 64, 16, device=device)))
+                  random_ragged_batch([2048], [2048], 12, 12, 64, 16, dtype=dtype,
+                                      device=device)))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
     for name, batch in cases:
         slots = request_slots(batch)
         ours_fn = lambda: ops.ragged_attention(*batch.args())  # noqa: E731
         loop_fn, pad_fn = per_request_sdpa(batch, slots), padded_sdpa(batch, slots)
-        torch.testing.assert_close(ours_fn(), loop_fn().clone(), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ours_fn(), loop_fn().clone(), atol=tol, rtol=tol)
         ours = time_fn(ours_fn, device)
         print(row(name, ours, time_fn(loop_fn, device), "SDPA loop"))
         if len(slots) > 1:
@@ -138,6 +143,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attention-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="dtype of the ragged_attention cases (bfloat16: on CPUs with "
+                        "AVX512-BF16 the prefill rows run the bf16 pair kernels)")
     args = parser.parse_args()
     if args.device.startswith("cuda"):
         import ops_cuda
@@ -145,7 +153,7 @@ def main() -> None:
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     bench_linear(args.device)
-    bench_attention(args.device, args.seed)
+    bench_attention(args.device, args.seed, getattr(torch, args.attention_dtype))
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ MIXES = {
 @pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
-@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128])
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 80, 96, 128])  # 40: the scalar path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ragged_attention_grid(device, mix, block_size, heads, head_dim, dtype):
     """bfloat16 too: on CPUs with AVX512-BF16, prefill-like rows take the bf16 pair kernels."""
