@@ -16,8 +16,8 @@
 
 #include <algorithm>
 #include <array>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -82,7 +82,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 struct AttentionScratch {
   std::vector<float> q, acc, k_t, v, m, l, p;
   // Prefill-like rows as vector lanes: Q^T [D][W], the rows' running (acc, m, l), the tile's
-  // rescale factors, K/V rows widened to float, and a zero K row to pad the last key step.
+  // rescale factors, K/V rows widened to float, and a zero row to pad the last key step.
   std::vector<float> qt, lane_acc, lane_m, lane_l, alpha, k_float, v_float, zero_row;
   std::vector<uint32_t> q_pairs, p_pairs, v_pairs;  // bfloat16 pairs (kBf16Dot)
 };
@@ -299,7 +299,8 @@ inline void tile_update_scalar(int64_t D, const float* q, const float* k_t, cons
 }
 
 #if defined(__AVX512BF16__)
-// bfloat16 caches on CPUs with AVX512-BF16: Q.K and P.V as dot products of bf16 pairs
+// Prefill-like items over bfloat16 caches on CPUs with AVX512-BF16: Q.K and P.V as dot
+// products of bf16 pairs
 // (vdpbf16ps: exact products, float sums), half the instructions of widening to float. q and
 // K stay exact (the scale is applied to the scores); P is rounded to bfloat16 for P.V, as GPU
 // flash attention does. "Pairs" are 32-bit words of two bf16, the lower one first.
@@ -564,8 +565,6 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
   }
 
   sc.q.resize(rows * D);
-  sc.k_t.assign(D * kKvTile, 0.f);
-  sc.v.assign(kKvTile * D, 0.f);
   float* qs = sc.q.data();
   for (int64_t row = 0; row < rows; ++row) {
     const RowPlace at = row_place(a, w, row);
@@ -625,6 +624,8 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
   } else {
     // Head dims that are not a multiple of 16: gather each tile (K transposed to [D, tile] so
     // scores vectorize over the tile), then one query row at a time.
+    sc.k_t.assign(D * kKvTile, 0.f);
+    sc.v.assign(kKvTile * D, 0.f);
     int64_t slot_offset[kKvTile];
     for (int64_t t0 = w.kv_begin; t0 < w.kv_end; t0 += kKvTile) {
       const int64_t nt = std::min<int64_t>(kKvTile, w.kv_end - t0);
