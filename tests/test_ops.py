@@ -124,6 +124,14 @@ def test_ragged_attention_long_contexts_split(device, dtype, q_lens, ctx):
     assert_close(out, expected, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_attention_wide_query_groups(device, dtype):
+    """96 query heads on one KV head: a work item's rows exceed one 64-lane pass (CPU)."""
+    batch = random_ragged_batch([3, 1, 2], [40, 70, 2], 96, 1, 32, 16, dtype=dtype, device=device)
+    expected = ref.ragged_attention(*(a.cpu() if torch.is_tensor(a) else a for a in batch.args()))
+    assert_close(ops.ragged_attention(*batch.args()), expected, dtype)
+
+
 def test_ragged_attention_empty_and_zero_query_requests(device):
     empty = random_ragged_batch([0, 0], [4, 0], 4, 2, 32, 16, device=device)
     assert ops.ragged_attention(*empty.args()).shape == (0, 4, 32)
