@@ -1,6 +1,7 @@
 // packed_linear on CPU: y = act(x @ W^T + b) over packed tokens.
 // Up to kSkinnyMaxT tokens, a dot-product kernel streams the weights once with the epilogue
-// fused; in float32 up to kLanesMaxT tokens, a kernel with the tokens as vector lanes does.
+// fused; up to kLanesMaxT tokens (float32, and bfloat16 on AVX512-BF16), a kernel with the
+// tokens as vector lanes does.
 // Beyond that, without an activation the bias rides in BLAS's beta term (one addmm call, like
 // F.linear); with gelu_tanh / relu the output is computed in cache-sized tiles, each tile's
 // GEMM writing a thread-local buffer that the epilogue turns into the final output while it
@@ -155,9 +156,16 @@ void lanes_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t*
   constexpr int W = 16 * kTV;
   const int64_t T = x.size(0), K = x.size(1), N = out.size(1);
   const int64_t half = act == Activation::kSiluAndMul ? N : 0;  // offset of the up rows
-  at::Tensor xt = at::zeros({K, W}, x.options().dtype(at::kFloat));
-  xt.narrow(1, 0, T).copy_(x.t());
-  const float* xt_ptr = xt.data_ptr<float>();
+  // x^T, zero-padded to W tokens: floats, or for kBf16Dot the tokens' bf16 pairs (K even).
+  at::Tensor xt;
+  if constexpr (kBf16Dot<scalar_t>) {
+    xt = at::zeros({K / 2, W}, x.options().dtype(at::kInt));
+    xt.narrow(1, 0, T).copy_(x.view(at::kInt).t());
+  } else {
+    xt = at::zeros({K, W}, x.options().dtype(at::kFloat));
+    xt.narrow(1, 0, T).copy_(x.t());
+  }
+  const void* xt_ptr = xt.data_ptr();
   const scalar_t* w = weight.data_ptr<scalar_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const int64_t grain = ceil_div(kMinParallelWeights, B * K * (half ? 2 : 1));
@@ -166,7 +174,16 @@ void lanes_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t*
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n0 = blk * B, cols = std::min(B, N - n0);
       for (int part = 0; part < (half ? 2 : 1); ++part) {
-        cpu::lanes_rows<kTV>(xt_ptr, w + (part * half + n0) * K, K, cols, y);
+        const scalar_t* rows = w + (part * half + n0) * K;
+#if defined(__AVX512BF16__)
+        if constexpr (kBf16Dot<scalar_t>) {
+          cpu::lanes_rows_bf16<kTV>(static_cast<const uint32_t*>(xt_ptr),
+                                    reinterpret_cast<const uint16_t*>(rows), K, cols, y);
+        } else
+#endif
+        {
+          cpu::lanes_rows<kTV>(static_cast<const float*>(xt_ptr), rows, K, cols, y);
+        }
         for (int64_t t = 0; t < T; ++t) {
           for (int64_t c = 0; c < cols; ++c) by_token[part][t * B + c] = y[c * W + t];
         }
@@ -256,10 +273,14 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
   const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
   const int64_t T = x.size(0);
   const int64_t n_out = act == Activation::kSiluAndMul ? weight.size(0) / 2 : weight.size(0);
-  // float32 from kSkinnyMaxT to kLanesMaxT tokens: the token-lanes kernel, measured 1.3x-2x
-  // torch's BLAS (MKL) at orca-tiny's shapes; at 48-64 tokens they are even. bfloat16 stays
-  // on oneDNN's AVX512-BF16 GEMM, which this float kernel does not beat.
-  const bool lanes = x.scalar_type() == at::kFloat && T > kSkinnyMaxT && T <= kLanesMaxT;
+  // kSkinnyMaxT < T <= kLanesMaxT: the token-lanes kernel, in float32 (measured 1.3x-2x
+  // torch's BLAS, MKL, at orca-tiny's shapes; about even at 40-64 tokens) and in bfloat16 where the
+  // AVX512-BF16 pair kernel applies (K even; 1.1x-1.5x oneDNN up to 16 tokens, 0.9x-1.1x at
+  // 24-32). float16 stays on BLAS.
+  const bool lanes = T > kSkinnyMaxT && T <= kLanesMaxT &&
+                     (x.scalar_type() == at::kFloat ||
+                      (kBf16Dot<at::BFloat16> && x.scalar_type() == at::kBFloat16 &&
+                       x.size(1) % 2 == 0));
   if (act == Activation::kNone && T > kSkinnyMaxT && !lanes) {
     return bias_in ? at::addmm(*bias_in, x, weight.t()) : at::mm(x, weight.t());
   }
@@ -276,7 +297,7 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
         case Activation::kSiluAndMul: return dispatch_skinny<scalar_t, Activation::kSiluAndMul>(x, weight, bias_ptr, out);
       }
     }
-    if constexpr (std::is_same_v<scalar_t, float>) {
+    if constexpr (std::is_same_v<scalar_t, float> || kBf16Dot<scalar_t>) {
       if (lanes) {
         const auto run = [&]<Activation a>() {
           return T <= 16 ? lanes_linear<1, scalar_t, a>(x, weight, bias_ptr, out)
