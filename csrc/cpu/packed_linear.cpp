@@ -175,13 +175,10 @@ void lanes_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t*
       const int64_t n0 = blk * B, cols = std::min(B, N - n0);
       for (int part = 0; part < (half ? 2 : 1); ++part) {
         const scalar_t* rows = w + (part * half + n0) * K;
-#if defined(__AVX512BF16__)
         if constexpr (kBf16Dot<scalar_t>) {
-          cpu::lanes_rows_bf16<kTV>(static_cast<const uint32_t*>(xt_ptr),
-                                    reinterpret_cast<const uint16_t*>(rows), K, cols, y);
-        } else
-#endif
-        {
+          cpu::lanes_rows<kTV>(static_cast<const uint32_t*>(xt_ptr),
+                               reinterpret_cast<const uint16_t*>(rows), K, cols, y);
+        } else {
           cpu::lanes_rows<kTV>(static_cast<const float*>(xt_ptr), rows, K, cols, y);
         }
         for (int64_t t = 0; t < T; ++t) {

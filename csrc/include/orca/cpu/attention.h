@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #endif
 
+#include "orca/cpu/lanes_linear.h"
 #include "orca/cpu/math.h"
 #include "orca/cpu/vec.h"
 
@@ -116,21 +117,27 @@ inline void store_scores(const vec16 (&x)[kKeysPerStep][kRV], int64_t j0, int64_
 }
 
 // Scores of one KV tile, s[j][W] = q_r . k_j (masked as store_scores says), and each row's
-// maximum in tile_max. k_rows has nt rows, padded to a whole step with zero rows.
-template <int kD, int kRV>
-inline void tile_scores(const float* qt, const float* const* k_rows, int64_t nt, bool masked,
-                        const int16v* row_pos, int64_t t0, float* s, vec16* tile_max) {
+// maximum in tile_max. qt is Q^T: pre-scaled floats ([kD][W]) against float K rows, or
+// bfloat16 pairs ([kD/2][W], scaled here) against bf16 K rows (AVX512-BF16). k_rows has nt
+// rows, padded to a whole step with zero rows.
+template <int kD, int kRV, typename lane_t, typename row_t>
+inline void tile_scores(const lane_t* qt, const row_t* const* k_rows, int64_t nt, bool masked,
+                        const int16v* row_pos, int64_t t0, float scale, float* s,
+                        vec16* tile_max) {
   constexpr int W = kRV * 16;
   for (int rv = 0; rv < kRV; ++rv) tile_max[rv] = vec16{} + kNegInf;
   for (int64_t j0 = 0; j0 < nt; j0 += kKeysPerStep) {
     vec16 acc[kKeysPerStep][kRV] = {};
-    for (int d = 0; d < kD; ++d) {
-      vec16 q[kRV];
-      for (int rv = 0; rv < kRV; ++rv) q[rv] = load16(qt + d * W + 16 * rv);
-      for (int jj = 0; jj < kKeysPerStep; ++jj) {
-        const float k = k_rows[j0 + jj][d];
-        for (int rv = 0; rv < kRV; ++rv) acc[jj][rv] += k * q[rv];
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<lane_t, uint32_t>) {
+      lane_pair_dots<kKeysPerStep, kRV>(qt, W, k_rows + j0, kD / 2, acc);
+      for (auto& per_key : acc) {
+        for (auto& v : per_key) v *= scale;
       }
+    } else
+#endif
+    {
+      lane_dots<kKeysPerStep, kRV>(qt, W, k_rows + j0, kD, acc);
     }
     store_scores<kRV>(acc, j0, nt, masked, row_pos, t0, s, tile_max);
   }
@@ -208,42 +215,45 @@ inline const float* float_row(const scalar_t* src, float* tmp) {
 // rows read in place in cache order (token by token, each token's heads adjacent), no gather.
 // Rows are (head, row within the head); p is [rows][kKvTile], q rows pre-scaled [rows][kD].
 
+// f(h, v) for each head h of one key's K or V row (row: its first head), with the head's kD
+// values as float vectors.
+template <int kD, typename scalar_t, typename F>
+inline void for_each_head(const scalar_t* row, int64_t num_heads, const F& f) {
+  alignas(64) float tmp[kD];
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const float* x = float_row<kD>(row + h * kD, tmp);
+    vec16 v[kD / 16];
+    for (int c = 0; c < kD / 16; ++c) v[c] = load16(x + 16 * c);
+    f(h, v);
+  }
+}
+
 // Scores of key j (k_row: its first head) for every row.
 template <int kD, typename scalar_t>
 inline void direct_scores(const scalar_t* k_row, int64_t j, int64_t num_heads, int64_t head_rows,
                           const float* q, float* p) {
-  constexpr int kNV = kD / 16;
-  alignas(64) float tmp[kD];
-  for (int64_t h = 0; h < num_heads; ++h) {
-    const float* k = float_row<kD>(k_row + h * kD, tmp);
-    vec16 kv[kNV];
-    for (int c = 0; c < kNV; ++c) kv[c] = load16(k + 16 * c);
+  for_each_head<kD>(k_row, num_heads, [&](int64_t h, const vec16* k) {
     for (int64_t r = 0; r < head_rows; ++r) {
       const float* qr = q + (h * head_rows + r) * kD;
-      vec16 t = load16(qr) * kv[0];
-      for (int c = 1; c < kNV; ++c) t += load16(qr + 16 * c) * kv[c];
+      vec16 t = load16(qr) * k[0];
+      for (int c = 1; c < kD / 16; ++c) t += load16(qr + 16 * c) * k[c];
       p[(h * head_rows + r) * kKvTile + j] = hsum(t);
     }
-  }
+  });
 }
 
 // acc[row] += p[row][j] v_j (v_row: key j's first head) for every row.
 template <int kD, typename scalar_t>
 inline void direct_pv(const scalar_t* v_row, int64_t j, int64_t num_heads, int64_t head_rows,
                       const float* p, float* acc) {
-  constexpr int kNV = kD / 16;
-  alignas(64) float tmp[kD];
-  for (int64_t h = 0; h < num_heads; ++h) {
-    const float* v = float_row<kD>(v_row + h * kD, tmp);
-    vec16 vv[kNV];
-    for (int c = 0; c < kNV; ++c) vv[c] = load16(v + 16 * c);
+  for_each_head<kD>(v_row, num_heads, [&](int64_t h, const vec16* v) {
     for (int64_t r = 0; r < head_rows; ++r) {
       const int64_t row = h * head_rows + r;
       const float pj = p[row * kKvTile + j];
       float* o = acc + row * kD;
-      for (int c = 0; c < kNV; ++c) store16(o + 16 * c, load16(o + 16 * c) + pj * vv[c]);
+      for (int c = 0; c < kD / 16; ++c) store16(o + 16 * c, load16(o + 16 * c) + pj * v[c]);
     }
-  }
+  });
 }
 
 // Online-softmax step of one tile's scores p (visible[r]: keys row r of each head sees):
@@ -317,38 +327,6 @@ inline __m512i interleave_bf16(__m256i a, __m256i b) {
   }();
   return _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), _mm512_loadu_si512(kIndex.data()),
                                    _mm512_castsi256_si512(b));
-}
-
-// tile_scores with Q^T as pairs ([kD/2][W]: dims 2i, 2i+1 of each row) against bf16 K rows.
-template <int kD, int kRV>
-inline void tile_scores_bf16(const uint32_t* q_pairs, const uint16_t* const* k_rows, int64_t nt,
-                             bool masked, const int16v* row_pos, int64_t t0, float scale,
-                             float* s, vec16* tile_max) {
-  constexpr int W = kRV * 16;
-  for (int rv = 0; rv < kRV; ++rv) tile_max[rv] = vec16{} + kNegInf;
-  for (int64_t j0 = 0; j0 < nt; j0 += kKeysPerStep) {
-    __m512 acc[kKeysPerStep][kRV];
-    for (auto& per_key : acc) {
-      for (auto& a : per_key) a = _mm512_setzero_ps();
-    }
-    for (int dp = 0; dp < kD / 2; ++dp) {
-      __m512bh q[kRV];
-      for (int rv = 0; rv < kRV; ++rv) {
-        q[rv] = (__m512bh)_mm512_loadu_si512(q_pairs + dp * W + 16 * rv);
-      }
-      for (int jj = 0; jj < kKeysPerStep; ++jj) {
-        uint32_t k_pair;
-        std::memcpy(&k_pair, k_rows[j0 + jj] + 2 * dp, sizeof(k_pair));
-        const __m512bh k = (__m512bh)_mm512_set1_epi32(static_cast<int>(k_pair));
-        for (int rv = 0; rv < kRV; ++rv) acc[jj][rv] = _mm512_dpbf16_ps(acc[jj][rv], q[rv], k);
-      }
-    }
-    vec16 x[kKeysPerStep][kRV];
-    for (int jj = 0; jj < kKeysPerStep; ++jj) {
-      for (int rv = 0; rv < kRV; ++rv) x[jj][rv] = (vec16)acc[jj][rv] * scale;
-    }
-    store_scores<kRV>(x, j0, nt, masked, row_pos, t0, s, tile_max);
-  }
 }
 
 // Probabilities p [2 * num_pairs][W] (float) to pairs [num_pairs][W] of keys (2i, 2i+1).
@@ -459,6 +437,13 @@ void attend_lanes(const AttentionArgs<scalar_t>& a, const AttentionWork& w, int6
   }
   int16v row_pos[kRV];
   std::memcpy(row_pos, pos, sizeof(pos));
+  const auto* q_lanes = [&] {
+    if constexpr (kBf16Dot) {
+      return sc.q_pairs.data();
+    } else {
+      return sc.qt.data();
+    }
+  }();
   const int64_t min_pos = pos[0];
 
   sc.lane_acc.assign(W * kD, 0.f);
@@ -497,26 +482,21 @@ void attend_lanes(const AttentionArgs<scalar_t>& a, const AttentionWork& w, int6
     for (int64_t j = nt; j < nt_padded; ++j) k_rows[j] = v_rows[j] = zero_row;
     const bool masked = nt < kKvTile || t0 + nt - 1 > min_pos;
     vec16 tile_max[kRV];
+    tile_scores<kD, kRV>(q_lanes, k_rows, nt, masked, row_pos, t0, a.scale, sc.p.data(),
+                         tile_max);
+    tile_softmax<kRV>(sc.p.data(), nt_padded, tile_max, sc.lane_m.data(), sc.lane_l.data(),
+                      sc.alpha.data());
 #if defined(__AVX512BF16__)
     if constexpr (kBf16Dot) {
-      tile_scores_bf16<kD, kRV>(sc.q_pairs.data(), k_rows, nt, masked, row_pos, t0, a.scale,
-                                sc.p.data(), tile_max);
-      tile_softmax<kRV>(sc.p.data(), nt_padded, tile_max, sc.lane_m.data(), sc.lane_l.data(),
-                        sc.alpha.data());
       // Keys padded to an even count: the padding has p = 0 and a zero V row.
       const int64_t num_pairs = (nt + 1) / 2;
       pack_p_pairs<kRV>(sc.p.data(), num_pairs, sc.p_pairs.data());
       pack_v_pairs<kD>(v_rows, num_pairs, sc.v_pairs.data());
       tile_pv_bf16<kD>(sc.p_pairs.data(), W, sc.v_pairs.data(), num_pairs, sc.alpha.data(),
                        sc.lane_acc.data());
-      continue;
     }
 #endif
     if constexpr (!kBf16Dot) {
-      tile_scores<kD, kRV>(sc.qt.data(), k_rows, nt, masked, row_pos, t0, sc.p.data(),
-                           tile_max);
-      tile_softmax<kRV>(sc.p.data(), nt_padded, tile_max, sc.lane_m.data(), sc.lane_l.data(),
-                        sc.alpha.data());
       tile_pv<kD>(sc.p.data(), W, v_rows, nt, sc.alpha.data(), sc.lane_acc.data());
     }
   }
