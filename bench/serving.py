@@ -428,6 +428,16 @@ def write_json(path: str, record: dict[str, Any]) -> None:
 
 # ----------------------------------------------------------------------------- CLI
 
+def parse_with_quick(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
+                     quick: dict[str, Any]) -> argparse.Namespace:
+    """``parser``'s arguments, with ``quick`` as the defaults when ``--quick`` is given (flags
+    given explicitly still win)."""
+    first, _ = parser.parse_known_args(argv)
+    if first.quick:
+        parser.set_defaults(**quick)
+    return parser.parse_args(argv)
+
+
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=("orca", "sharegpt"), default="orca")
     parser.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512],

@@ -258,10 +258,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="more places for the PNG (bench/results/serving_sweep.png always)")
     serving.add_workload_args(parser)
     serving.add_engine_args(parser)
-    first, _ = parser.parse_known_args(argv)
-    if first.quick:
-        parser.set_defaults(**QUICK)
-    return parser.parse_args(argv)
+    return serving.parse_with_quick(parser, argv, QUICK)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
