@@ -44,6 +44,7 @@ void skinny_rows(const float* x, const scalar_t* w, int64_t K, const int64_t (&f
           const scalar_t* chunk = row[s] + k + 16 * c;
           __builtin_prefetch(reinterpret_cast<const char*>(chunk) + kSkinnyPrefetchBytes, 0, 2);
           wv[s] = load16_as_float(chunk);
+          keep_in_register(wv[s]);
         }
         for (int t = 0; t < kT; ++t) {
           const vec16 xv = load16(x + t * K + k + 16 * c);
@@ -101,6 +102,7 @@ void skinny_rows_bf16(const uint16_t* x, const uint16_t* w, int64_t K,
       for (int s = 0; s < kStreams; ++s) {
         __builtin_prefetch(reinterpret_cast<const char*>(row[s] + k) + kSkinnyPrefetchBytes, 0, 2);
         wv[s] = load(row[s] + k);
+        keep_in_register(wv[s]);
       }
       for (int t = 0; t < kT; ++t) {
         const __m512bh xv = load(x + t * K + k);
