@@ -97,12 +97,17 @@ static void BM_ReadModelWeights(benchmark::State& state) {
 }
 BENCHMARK(BM_ReadModelWeights)->Arg(0)->Arg(1)->UseRealTime()->Unit(benchmark::kMillisecond);
 
+using RaggedAttention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+
+c10::TypedOperatorHandle<RaggedAttention> ragged_attention_op() {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow("orca::ragged_attention", "")
+      .typed<RaggedAttention>();
+}
+
 static void BM_RaggedAttention(benchmark::State& state) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("orca::ragged_attention", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         double)>();
+  static auto op = ragged_attention_op();
   const int64_t decodes = 32, prefill = 256, context = 384, bs = 16, H = 12, D = 64;
   const int64_t blocks_per_decode = context / bs, prefill_blocks = prefill / bs;
   const int64_t num_blocks = decodes * blocks_per_decode + prefill_blocks;
@@ -162,11 +167,7 @@ struct ColdKv {
 };
 
 static void BM_DecodeAttentionCold(benchmark::State& state) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("orca::ragged_attention", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         double)>();
+  static auto op = ragged_attention_op();
   auto& kv = ColdKv::get(state.range(0));
   size_t layer = 0;
   for (auto _ : state) {
