@@ -23,7 +23,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 @pytest.mark.parametrize("with_bias", [False, True])
 # T <= 8 takes the skinny kernel (K covers its full-step, 16-wide and scalar tails); float32
 # up to 32 the token-lanes kernel (9 / 20 / 32: one and two vectors, row and column tails);
-# above, BLAS (1100: several row and column tiles for gelu_tanh / relu, the last partial).
+# above, oneDNN for float32 (activations as its post-ops), BLAS for the others (1100: several
+# row and column tiles for gelu_tanh / relu, the last partial).
 @pytest.mark.parametrize("T,K,N", [(0, 64, 96), (1, 64, 96), (1, 112, 90), (2, 100, 34),
                                    (3, 40, 70), (4, 512, 1100), (5, 80, 64), (7, 48, 130),
                                    (8, 1040, 520), (9, 64, 96), (20, 100, 70), (32, 512, 130),
@@ -43,6 +44,15 @@ def test_packed_linear_noncontiguous_input(device):
     x = torch.randn(16, 64, device=device).t()  # [64, 16] non-contiguous
     w = torch.randn(32, 16, device=device)
     torch.testing.assert_close(ops.packed_linear(x, w, None, "relu"), torch.relu(x @ w.t()))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("activation", ["none", "gelu_tanh", "relu", "silu_and_mul"])
+def test_packed_linear_float32_gemm_runs_on_onednn(activation):
+    x, w = torch.randn(40, 64), torch.randn(96, 64)
+    with torch.profiler.profile() as prof:
+        ops.packed_linear(x, w, None, activation)
+    assert "mkldnn::_linear_pointwise" in {e.key for e in prof.key_averages()}
 
 
 # ---------------------------------------------------------------------------- store_kv

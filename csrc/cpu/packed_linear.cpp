@@ -2,11 +2,13 @@
 // Up to kSkinnyMaxT tokens, a dot-product kernel streams the weights once with the epilogue
 // fused; up to kLanesMaxT tokens (float32, and bfloat16 on AVX512-BF16), a kernel with the
 // tokens as vector lanes does.
-// Beyond that, without an activation the bias rides in BLAS's beta term (one addmm call, like
-// F.linear); with gelu_tanh / relu the output is computed in cache-sized tiles, each tile's
-// GEMM writing a thread-local buffer that the epilogue turns into the final output while it
-// is still in cache; silu_and_mul is one GEMM plus one fused pass.
+// Beyond that, float32 runs on oneDNN's inner product with the activation as its post-op
+// (see onednn_linear). Otherwise, without an activation the bias rides in BLAS's beta term (one
+// addmm call, like F.linear); with gelu_tanh / relu the output is computed in cache-sized
+// tiles, each tile's GEMM writing a thread-local buffer that the epilogue turns into the final
+// output while it is still in cache; silu_and_mul is one GEMM plus one fused pass.
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -28,6 +30,24 @@ constexpr int64_t kMaxTileRows = 512;
 constexpr int64_t kTileBufferElems = 128 * 1024;  // per thread, ~half of a 1 MB L2 in float32
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// float32 x [T, K] @ weight^T + bias through oneDNN (torch's own `mkldnn::_linear_pointwise`,
+// the op Inductor's CPU code calls), with `attr` ("none", "relu", "gelu") and `algorithm`
+// ("tanh" for gelu_tanh) fused as its post-op. Measured on the 2-core Zen 4 against MKL's
+// sgemm (torch.addmm, which float32 matmuls use) at orca-tiny's shapes: 1.1x-1.4x from 40 to
+// 600 tokens, 200-210 GFLOP/s (~90 % of the cores' FMA peak) from 100 tokens. nullopt when
+// the torch build has no oneDNN.
+std::optional<at::Tensor> onednn_linear(const at::Tensor& x, const at::Tensor& weight,
+                                        const std::optional<at::Tensor>& bias,
+                                        const char* attr, const char* algorithm) {
+  static const std::optional<c10::OperatorHandle> op =
+      c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+  if (!op) return std::nullopt;
+  torch::jit::Stack stack{x, weight, bias, std::string(attr),
+                          c10::List<std::optional<at::Scalar>>(), std::string(algorithm)};
+  op->callBoxed(&stack);
+  return stack[0].toTensor();
+}
 
 template <Activation act, bool kBias, typename in_t, typename scalar_t>
 void epilogue_rows(const in_t* in, const in_t* up_in, int64_t in_stride, int64_t rows,
@@ -251,7 +271,13 @@ void tiled_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 template <typename scalar_t>
 void gemm_silu_and_mul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias,
                        at::Tensor& out) {
-  const at::Tensor y = bias ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
+  std::optional<at::Tensor> y_onednn;
+  if (x.scalar_type() == at::kFloat) {
+    y_onednn = onednn_linear(x, weight, bias ? std::optional(*bias) : std::nullopt, "none", "");
+  }
+  const at::Tensor y = y_onednn ? *y_onednn
+                       : bias   ? at::addmm(*bias, x, weight.t())
+                                : at::mm(x, weight.t());
   const int64_t T = x.size(0), I = out.size(1);
   const scalar_t* y_ptr = y.data_ptr<scalar_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
@@ -278,6 +304,16 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
                      (x.scalar_type() == at::kFloat ||
                       (kBf16Dot<at::BFloat16> && x.scalar_type() == at::kBFloat16 &&
                        x.size(1) % 2 == 0));
+  if (T > kSkinnyMaxT && !lanes && x.scalar_type() == at::kFloat &&
+      act != Activation::kSiluAndMul) {
+    const char* attr = act == Activation::kGeluTanh ? "gelu"
+                       : act == Activation::kRelu   ? "relu"
+                                                    : "none";
+    if (auto y = onednn_linear(x, weight, bias_in, attr,
+                               act == Activation::kGeluTanh ? "tanh" : "")) {
+      return *y;
+    }
+  }
   if (act == Activation::kNone && T > kSkinnyMaxT && !lanes) {
     return bias_in ? at::addmm(*bias_in, x, weight.t()) : at::mm(x, weight.t());
   }
