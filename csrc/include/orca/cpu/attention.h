@@ -238,57 +238,77 @@ inline void for_each_head(const scalar_t* row, int64_t num_heads, const F& f) {
   }
 }
 
-// Scores of key j (k_row: its first head) for every row.
+// Scores of keys ja and jb (ka_row, kb_row: their first heads; jb < 0: ja alone) for every row.
 template <int kD, typename scalar_t>
-inline void direct_scores(const scalar_t* k_row, int64_t j, int64_t num_heads, int64_t head_rows,
-                          const float* q, float* p) {
-  for_each_head<kD>(k_row, num_heads, [&](int64_t h, const vec16* k) {
+inline void direct_scores(const scalar_t* ka_row, int64_t ja, const scalar_t* kb_row, int64_t jb,
+                          int64_t num_heads, int64_t head_rows, const float* q, float* p) {
+  alignas(64) float tmp[kD];
+  for_each_head<kD>(ka_row, num_heads, [&](int64_t h, const vec16* ka) {
+    const float* kb = float_row<kD>((jb < 0 ? ka_row : kb_row) + h * kD, tmp);
     for (int64_t r = 0; r < head_rows; ++r) {
-      const float* qr = q + (h * head_rows + r) * kD;
-      vec16 t = load16(qr) * k[0];
-      for (int c = 1; c < kD / 16; ++c) t += load16(qr + 16 * c) * k[c];
-      p[(h * head_rows + r) * kKvTile + j] = hsum(t);
+      const int64_t row = h * head_rows + r;
+      const float* qr = q + row * kD;
+      vec16 ta = load16(qr) * ka[0], tb = load16(qr) * load16(kb);
+      for (int c = 1; c < kD / 16; ++c) {
+        const vec16 qv = load16(qr + 16 * c);
+        ta += qv * ka[c];
+        tb += qv * load16(kb + 16 * c);
+      }
+      float sa, sb;
+      hsum2(ta, tb, sa, sb);
+      p[row * kKvTile + ja] = sa;
+      if (jb >= 0) p[row * kKvTile + jb] = sb;
     }
   });
 }
 
-// acc[row] += p[row][j] v_j (v_row: key j's first head) for every row.
+// acc[row] += p[row][ja] v_ja + p[row][jb] v_jb (va_row, vb_row: keys ja and jb's first
+// heads; jb < 0: none) for every row. Two keys per pass halve the accumulators' loads and stores.
 template <int kD, typename scalar_t>
-inline void direct_pv(const scalar_t* v_row, int64_t j, int64_t num_heads, int64_t head_rows,
-                      const float* p, float* acc) {
-  for_each_head<kD>(v_row, num_heads, [&](int64_t h, const vec16* v) {
+inline void direct_pv(const scalar_t* va_row, int64_t ja, const scalar_t* vb_row, int64_t jb,
+                      int64_t num_heads, int64_t head_rows, const float* p, float* acc) {
+  alignas(64) float tmp[kD];
+  for_each_head<kD>(va_row, num_heads, [&](int64_t h, const vec16* va) {
+    const float* b = float_row<kD>((jb < 0 ? va_row : vb_row) + h * kD, tmp);
     for (int64_t r = 0; r < head_rows; ++r) {
       const int64_t row = h * head_rows + r;
-      const float pj = p[row * kKvTile + j];
+      const float pa = p[row * kKvTile + ja], pb = jb < 0 ? 0.f : p[row * kKvTile + jb];
       float* o = acc + row * kD;
-      for (int c = 0; c < kD / 16; ++c) store16(o + 16 * c, load16(o + 16 * c) + pj * v[c]);
+      for (int c = 0; c < kD / 16; ++c) {
+        store16(o + 16 * c, load16(o + 16 * c) + pa * va[c] + pb * load16(b + 16 * c));
+      }
     }
   });
 }
 
 // Online-softmax step of one tile's scores p (visible[r]: keys row r of each head sees):
 // p becomes probabilities, (m, l) advance and each row's acc is rescaled. Returns the most
-// keys any row sees.
+// keys any row sees. A row's kKvTile scores are two vectors.
 template <int kD>
 inline int64_t direct_softmax(const int64_t* visible, int64_t rows, int64_t head_rows, float* p,
                               AttentionScratch& sc) {
+  static_assert(kKvTile == 32);
   constexpr int kNV = kD / 16;
+  const int16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vec16 neg_inf = vec16{} + kNegInf, zero = vec16{};
   int64_t max_visible = 0;
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t vis = visible[row % head_rows];
     max_visible = std::max(max_visible, vis);
     float* pr = p + row * kKvTile;
-    float tile_max = kNegInf;
-    for (int64_t j = 0; j < vis; ++j) tile_max = std::max(tile_max, pr[j]);
+    const int16v vis_lo = int16v{} + static_cast<int>(std::clamp<int64_t>(vis, 0, kKvTile));
+    const int16v vis_hi = vis_lo - 16;
+    const vec16 s_lo = lane < vis_lo ? load16(pr) : neg_inf;
+    const vec16 s_hi = lane < vis_hi ? load16(pr + 16) : neg_inf;
+    const float tile_max = hmax(s_lo > s_hi ? s_lo : s_hi);
     const float m_old = sc.m[row], m_new = std::max(m_old, tile_max);
-    const float alpha = m_old == kNegInf ? 0.f : fast_exp(m_old - m_new);
-    float sum = 0.f;
-    for (int64_t j = 0; j < kKvTile; ++j) {
-      pr[j] = j < vis ? fast_exp(pr[j] - m_new) : 0.f;
-      sum += pr[j];
-    }
+    const vec16 e_lo = lane < vis_lo ? fast_exp(s_lo - m_new) : zero;
+    const vec16 e_hi = lane < vis_hi ? fast_exp(s_hi - m_new) : zero;
+    store16(pr, e_lo);
+    store16(pr + 16, e_hi);
     if (vis <= 0) continue;  // nothing visible: the row's state stays as it is
-    sc.l[row] = sc.l[row] * alpha + sum;
+    const float alpha = m_old == kNegInf ? 0.f : fast_exp(m_old - m_new);
+    sc.l[row] = sc.l[row] * alpha + hsum(e_lo + e_hi);
     sc.m[row] = m_new;
     float* acc = sc.acc.data() + row * kD;
     for (int c = 0; c < kNV; ++c) store16(acc + 16 * c, load16(acc + 16 * c) * alpha);
@@ -576,35 +596,47 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
   };
   if constexpr (kD > 0) {
     // Per tile: the K pass (scores), the softmax, the V pass. Each pass prefetches the rows the
-    // next one reads (the K pass the tile's V rows, the V pass the next tile's K rows), so the
-    // cache streams in without a gap between passes, and visits the tile's two halves side by
-    // side (keys 0, h, 1, h + 1, ...: two streams of the cache, two blocks at block size <= 16).
-    // Measured on cold caches (ad hoc, against the previous kernel in one process): float32
-    // 1.03x-1.40x, bfloat16 1.02x-1.12x. Tried and slower: four streams (tile quarters),
-    // pipelining tile i's K pass with tile i-1's V pass (which bfloat16 had used before).
+    // next one reads (the K pass the tile's V rows, the V pass the next tile's K rows; the
+    // first tile's K rows are asked for up front), so the cache streams in without a gap
+    // between passes, and visits the tile's two halves side by side, a key of each at a time
+    // (keys 0 and h, 1 and h + 1, ...: two streams of the cache, two blocks at block size <=
+    // 16). Measured on cold caches (ad hoc, against the previous kernel in one process): the
+    // prefetch 1.03x-1.40x (float32); then the key pairs, the first tile's prefetch and a
+    // vectorized softmax 1.10x-1.18x (float32) and 1.21x (bfloat16). Tried and slower: four
+    // streams (tile quarters), four keys at a time (0.7x two), one head at a time across the
+    // tile (0.6x-0.8x: strided reads), pipelining tile i's K pass with tile i-1's V pass.
     const scalar_t* k_tile = a.k_cache + w.kv_head_begin * kD;
     const scalar_t* v_tile = a.v_cache + w.kv_head_begin * kD;
     const int64_t num_heads = w.kv_head_end - w.kv_head_begin;
     const auto visit = [](int64_t i, int64_t n) { return i / 2 + (i % 2) * ((n + 1) / 2); };
     float* p = sc.p.data();
     int64_t offset[kKvTile], next_offset[kKvTile];
-    slot_offsets(w.kv_begin, std::min<int64_t>(kKvTile, w.kv_end - w.kv_begin), offset);
+    const int64_t first_count = std::min<int64_t>(kKvTile, w.kv_end - w.kv_begin);
+    slot_offsets(w.kv_begin, first_count, offset);
+    for (int64_t i = 0; i < first_count; ++i) {
+      prefetch_row<kD>(k_tile + offset[visit(i, first_count)], num_heads);
+    }
     for (int64_t t0 = w.kv_begin; t0 < w.kv_end; t0 += kKvTile) {
       const int64_t nt = std::min<int64_t>(kKvTile, w.kv_end - t0);
-      for (int64_t i = 0; i < nt; ++i) {
-        const int64_t j = visit(i, nt);
-        prefetch_row<kD>(v_tile + offset[j], num_heads);
-        direct_scores<kD>(k_tile + offset[j], j, num_heads, head_rows, qs, p);
+      for (int64_t i = 0; i < nt; i += 2) {
+        const int64_t ja = visit(i, nt), jb = i + 1 < nt ? visit(i + 1, nt) : -1;
+        prefetch_row<kD>(v_tile + offset[ja], num_heads);
+        if (jb >= 0) prefetch_row<kD>(v_tile + offset[jb], num_heads);
+        direct_scores<kD>(k_tile + offset[ja], ja, k_tile + offset[jb < 0 ? ja : jb], jb,
+                          num_heads, head_rows, qs, p);
       }
       int64_t vis[kMaxDirectRows];
       for (int64_t r = 0; r < head_rows; ++r) vis[r] = visible(r, t0, nt);
       const int64_t count = direct_softmax<kD>(vis, rows, head_rows, p, sc);
       const int64_t next_count = std::clamp<int64_t>(w.kv_end - (t0 + kKvTile), 0, kKvTile);
       slot_offsets(t0 + kKvTile, next_count, next_offset);
-      for (int64_t i = 0; i < count; ++i) {
-        if (i < next_count) prefetch_row<kD>(k_tile + next_offset[visit(i, next_count)], num_heads);
-        const int64_t j = visit(i, count);
-        direct_pv<kD>(v_tile + offset[j], j, num_heads, head_rows, p, sc.acc.data());
+      for (int64_t i = 0; i < count; i += 2) {
+        for (int64_t n = i; n < std::min(i + 2, next_count); ++n) {
+          prefetch_row<kD>(k_tile + next_offset[visit(n, next_count)], num_heads);
+        }
+        const int64_t ja = visit(i, count), jb = i + 1 < count ? visit(i + 1, count) : -1;
+        direct_pv<kD>(v_tile + offset[ja], ja, v_tile + offset[jb < 0 ? ja : jb], jb, num_heads,
+                      head_rows, p, sc.acc.data());
       }
       std::copy_n(next_offset, next_count, offset);
     }

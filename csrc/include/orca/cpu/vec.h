@@ -43,20 +43,36 @@ inline void keep_in_register(V& v) {
 #endif
 }
 
-// Sum of the 16 lanes by halving folds (4 shuffles + 4 adds, no round trip through memory).
-inline float hsum(vec16 v) {
+// Lanes of the concatenation a:b (indices 0-31) picked by the 16 indices.
 #if defined(__clang__)
-  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+#define ORCA_SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
-  v += __builtin_shuffle(v, int16v{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  v += __builtin_shuffle(v, int16v{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  v += __builtin_shuffle(v, int16v{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  v += __builtin_shuffle(v, int16v{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+#define ORCA_SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, int16v{__VA_ARGS__})
 #endif
+#define ORCA_SHUFFLE(v, ...) ORCA_SHUFFLE2(v, v, __VA_ARGS__)
+
+// The 16 lanes folded with `op` by halving (4 shuffles + 4 ops, no round trip through memory).
+template <typename Op>
+inline float fold16(vec16 v, Op op) {
+  v = op(v, ORCA_SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = op(v, ORCA_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = op(v, ORCA_SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = op(v, ORCA_SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
   return v[0];
 }
+
+inline float hsum(vec16 v) { return fold16(v, [](vec16 a, vec16 b) { return a + b; }); }
+
+// The lane sums of a and b together: one fold of both into one vector, then three.
+inline void hsum2(vec16 a, vec16 b, float& sum_a, float& sum_b) {
+  vec16 v = ORCA_SHUFFLE2(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            ORCA_SHUFFLE2(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  v += ORCA_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += ORCA_SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += ORCA_SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  sum_a = v[0];
+  sum_b = v[8];
+}
+inline float hmax(vec16 v) { return fold16(v, [](vec16 a, vec16 b) { return a > b ? a : b; }); }
 
 }  // namespace orca::cpu
