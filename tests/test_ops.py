@@ -24,11 +24,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 # T <= 8 takes the skinny kernel (K covers its full-step, 16-wide and scalar tails); float32
 # up to 32 the token-lanes kernel (9 / 20 / 32: one and two vectors, row and column tails);
 # above, oneDNN for float32 (activations as its post-ops), BLAS for the others (1100: several
-# row and column tiles for gelu_tanh / relu, the last partial).
+# row and column tiles for gelu_tanh / relu, the last partial). K = 0 / N = 0: empty products.
 @pytest.mark.parametrize("T,K,N", [(0, 64, 96), (1, 64, 96), (1, 112, 90), (2, 100, 34),
                                    (3, 40, 70), (4, 512, 1100), (5, 80, 64), (7, 48, 130),
                                    (8, 1040, 520), (9, 64, 96), (20, 100, 70), (32, 512, 130),
-                                   (300, 128, 512), (1100, 64, 200)])
+                                   (300, 128, 512), (1100, 64, 200), (40, 0, 16), (40, 64, 0)])
 def test_packed_linear(device, dtype, activation, with_bias, T, K, N):
     gen = torch.Generator().manual_seed(T * 7 + N)
     x = torch.randn(T, K, generator=gen).to(dtype).to(device)

@@ -36,13 +36,13 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // ("tanh" for gelu_tanh) fused as its post-op. Measured on the 2-core Zen 4 against MKL's
 // sgemm (torch.addmm, which float32 matmuls use) at orca-tiny's shapes: 1.1x-1.4x from 40 to
 // 600 tokens, 200-210 GFLOP/s (~90 % of the cores' FMA peak) from 100 tokens. nullopt when
-// the torch build has no oneDNN.
+// the torch build has no oneDNN, or for K = 0 (an empty inner product oneDNN refuses).
 std::optional<at::Tensor> onednn_linear(const at::Tensor& x, const at::Tensor& weight,
                                         const std::optional<at::Tensor>& bias,
                                         const char* attr, const char* algorithm) {
   static const std::optional<c10::OperatorHandle> op =
       c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
-  if (!op) return std::nullopt;
+  if (!op || x.size(1) == 0) return std::nullopt;
   torch::jit::Stack stack{x, weight, bias, std::string(attr),
                           c10::List<std::optional<at::Scalar>>(), std::string(algorithm)};
   op->callBoxed(&stack);

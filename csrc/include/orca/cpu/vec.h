@@ -62,6 +62,7 @@ inline float fold16(vec16 v, Op op) {
 }
 
 inline float hsum(vec16 v) { return fold16(v, [](vec16 a, vec16 b) { return a + b; }); }
+inline float hmax(vec16 v) { return fold16(v, [](vec16 a, vec16 b) { return a > b ? a : b; }); }
 
 // The lane sums of a and b together: one fold of both into one vector, then three.
 inline void hsum2(vec16 a, vec16 b, float& sum_a, float& sum_b) {
@@ -73,6 +74,5 @@ inline void hsum2(vec16 a, vec16 b, float& sum_a, float& sum_b) {
   sum_a = v[0];
   sum_b = v[8];
 }
-inline float hmax(vec16 v) { return fold16(v, [](vec16 a, vec16 b) { return a > b ? a : b; }); }
 
 }  // namespace orca::cpu
