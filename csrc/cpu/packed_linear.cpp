@@ -304,8 +304,8 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
                      (x.scalar_type() == at::kFloat ||
                       (kBf16Dot<at::BFloat16> && x.scalar_type() == at::kBFloat16 &&
                        x.size(1) % 2 == 0));
-  if (T > kSkinnyMaxT && !lanes && x.scalar_type() == at::kFloat &&
-      act != Activation::kSiluAndMul) {
+  const bool gemm = T > kSkinnyMaxT && !lanes;
+  if (gemm && x.scalar_type() == at::kFloat && act != Activation::kSiluAndMul) {
     const char* attr = act == Activation::kGeluTanh ? "gelu"
                        : act == Activation::kRelu   ? "relu"
                                                     : "none";
@@ -314,7 +314,7 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
       return *y;
     }
   }
-  if (act == Activation::kNone && T > kSkinnyMaxT && !lanes) {
+  if (gemm && act == Activation::kNone) {
     return bias_in ? at::addmm(*bias_in, x, weight.t()) : at::mm(x, weight.t());
   }
   at::Tensor out = at::empty({T, n_out}, x.options());

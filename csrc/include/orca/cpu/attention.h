@@ -238,13 +238,14 @@ inline void for_each_head(const scalar_t* row, int64_t num_heads, const F& f) {
   }
 }
 
-// Scores of keys ja and jb (ka_row, kb_row: their first heads; jb < 0: ja alone) for every row.
+// Scores of keys ja and jb (ka_row, kb_row: their first heads) for every row; jb < 0: ja
+// alone (kb_row is then ka_row, its scores dropped).
 template <int kD, typename scalar_t>
 inline void direct_scores(const scalar_t* ka_row, int64_t ja, const scalar_t* kb_row, int64_t jb,
                           int64_t num_heads, int64_t head_rows, const float* q, float* p) {
   alignas(64) float tmp[kD];
   for_each_head<kD>(ka_row, num_heads, [&](int64_t h, const vec16* ka) {
-    const float* kb = float_row<kD>((jb < 0 ? ka_row : kb_row) + h * kD, tmp);
+    const float* kb = float_row<kD>(kb_row + h * kD, tmp);
     for (int64_t r = 0; r < head_rows; ++r) {
       const int64_t row = h * head_rows + r;
       const float* qr = q + row * kD;
@@ -263,13 +264,14 @@ inline void direct_scores(const scalar_t* ka_row, int64_t ja, const scalar_t* kb
 }
 
 // acc[row] += p[row][ja] v_ja + p[row][jb] v_jb (va_row, vb_row: keys ja and jb's first
-// heads; jb < 0: none) for every row. Two keys per pass halve the accumulators' loads and stores.
+// heads) for every row; jb < 0: ja alone (vb_row is then va_row, weighted 0). Two keys per pass
+// halve the accumulators' loads and stores.
 template <int kD, typename scalar_t>
 inline void direct_pv(const scalar_t* va_row, int64_t ja, const scalar_t* vb_row, int64_t jb,
                       int64_t num_heads, int64_t head_rows, const float* p, float* acc) {
   alignas(64) float tmp[kD];
   for_each_head<kD>(va_row, num_heads, [&](int64_t h, const vec16* va) {
-    const float* b = float_row<kD>((jb < 0 ? va_row : vb_row) + h * kD, tmp);
+    const float* b = float_row<kD>(vb_row + h * kD, tmp);
     for (int64_t r = 0; r < head_rows; ++r) {
       const int64_t row = h * head_rows + r;
       const float pa = p[row * kKvTile + ja], pb = jb < 0 ? 0.f : p[row * kKvTile + jb];
