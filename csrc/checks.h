@@ -141,8 +141,58 @@ inline Activation parse_activation(c10::string_view name) {
               std::string(name), "'");
 }
 
+// packed_linear's optional norm of its input rows (the norm before the linear in a block).
+enum class NormKind { kNone, kLayerNorm, kRmsNorm };
+
+struct InputNorm {
+  NormKind kind;
+  const std::optional<at::Tensor>& weight;
+  const std::optional<at::Tensor>& bias;
+  double eps;
+};
+
+inline NormKind parse_norm(c10::string_view name) {
+  if (name == "none") return NormKind::kNone;
+  if (name == "layer_norm") return NormKind::kLayerNorm;
+  if (name == "rms_norm") return NormKind::kRmsNorm;
+  TORCH_CHECK(false, "norm must be one of 'none', 'layer_norm', 'rms_norm', got '",
+              std::string(name), "'");
+}
+
+inline void check_input_norm(const at::Tensor& x, const InputNorm& norm) {
+  if (norm.kind == NormKind::kNone) {
+    TORCH_CHECK(!norm.weight && !norm.bias,
+                "norm_weight / norm_bias are given but norm is 'none'");
+    return;
+  }
+  TORCH_CHECK(norm.weight.has_value(), "norm needs norm_weight [K]");
+  TORCH_CHECK(norm.kind == NormKind::kLayerNorm || !norm.bias,
+              "rms_norm takes no norm_bias");
+  TORCH_CHECK(std::isfinite(norm.eps) && norm.eps >= 0, "norm_eps must be finite and >= 0, got ",
+              norm.eps);
+  for (const auto* t : {&norm.weight, &norm.bias}) {
+    if (!t->has_value()) continue;
+    const char* name = t == &norm.weight ? "norm_weight" : "norm_bias";
+    check_dim(**t, name, 1, "[K]");
+    check_same_dtype(**t, name, x, "x");
+    check_same_device(**t, name, x, "x");
+    TORCH_CHECK((*t)->size(0) == x.size(1), name, " has ", (*t)->size(0),
+                " entries but x has K = ", x.size(1), " columns");
+  }
+}
+
+// x's rows normalized as `norm` says, with ATen ops (the paths above decode sizes, and CUDA).
+inline at::Tensor normalize_rows(const at::Tensor& x, const InputNorm& norm) {
+  if (norm.kind == NormKind::kLayerNorm) {
+    return at::layer_norm(x, {x.size(1)}, norm.weight, norm.bias, norm.eps);
+  }
+  const at::Tensor h = x.to(at::kFloat);
+  return *norm.weight * (h * at::rsqrt(h.square().mean(-1, true) + norm.eps)).to(x.scalar_type());
+}
+
 inline void check_linear_inputs(const at::Tensor& x, const at::Tensor& weight,
-                                const std::optional<at::Tensor>& bias, Activation act) {
+                                const std::optional<at::Tensor>& bias, Activation act,
+                                const std::optional<at::Tensor>& residual) {
   check_dim(x, "x", 2, "[T, K]");
   check_dim(weight, "weight", 2, "[N, K]");
   check_float_dtype(x, "x");
@@ -160,6 +210,15 @@ inline void check_linear_inputs(const at::Tensor& x, const at::Tensor& weight,
     check_same_device(*bias, "bias", x, "x");
     TORCH_CHECK(bias->size(0) == weight.size(0), "bias has ", bias->size(0),
                 " entries but weight has N = ", weight.size(0), " rows");
+  }
+  if (residual.has_value()) {
+    const int64_t n_out = act == Activation::kSiluAndMul ? weight.size(0) / 2 : weight.size(0);
+    check_same_dtype(*residual, "residual", x, "x");
+    check_same_device(*residual, "residual", x, "x");
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == x.size(0) &&
+                    residual->size(1) == n_out,
+                "residual must be the output's shape [", x.size(0), ", ", n_out, "], got shape ",
+                shape_str(*residual));
   }
 }
 

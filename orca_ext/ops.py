@@ -10,16 +10,25 @@ import torch
 from . import _C  # noqa: F401  (loads the library that registers torch.ops.orca)
 
 ACTIVATIONS = ("none", "gelu_tanh", "relu", "silu_and_mul")
+NORMS = ("none", "layer_norm", "rms_norm")
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  activation: str = "none") -> torch.Tensor:
-    """``activation(x @ weight.T + bias)`` on packed tokens ``x [T, K]``, ``weight [N, K]``.
+                  activation: str = "none", residual: torch.Tensor | None = None,
+                  norm: str = "none", norm_weight: torch.Tensor | None = None,
+                  norm_bias: torch.Tensor | None = None, norm_eps: float = 1e-5) -> torch.Tensor:
+    """``activation(norm(x) @ weight.T + bias) + residual`` on packed tokens ``x [T, K]``,
+    ``weight [N, K]``.
 
-    The bias and activation run in the GEMM's epilogue. ``silu_and_mul`` takes ``weight [2I, K]``
-    (gate rows, then up rows) and returns ``silu(gate) * up`` of shape ``[T, I]``.
+    The bias, activation and residual (``[T, N]``, e.g. a block's input) run in the GEMM's
+    epilogue. ``silu_and_mul`` takes ``weight [2I, K]`` (gate rows, then up rows) and returns
+    ``silu(gate) * up`` of shape ``[T, I]``. ``norm`` normalizes the input rows first, as the
+    block's norm before this linear would: ``layer_norm`` (``norm_weight``, optional
+    ``norm_bias``, ``[K]``) or ``rms_norm`` (Llama's: normalized in float32, cast to the dtype,
+    then scaled by ``norm_weight``).
     """
-    return torch.ops.orca.packed_linear(x, weight, bias, activation)
+    return torch.ops.orca.packed_linear(x, weight, bias, activation, residual, norm, norm_weight,
+                                        norm_bias, norm_eps)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -43,7 +52,8 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @torch.library.register_fake("orca::packed_linear")
-def _packed_linear_fake(x, weight, bias=None, activation="none"):
+def _packed_linear_fake(x, weight, bias=None, activation="none", residual=None, norm="none",
+                        norm_weight=None, norm_bias=None, norm_eps=1e-5):
     n = weight.shape[0] // 2 if activation == "silu_and_mul" else weight.shape[0]
     return x.new_empty((x.shape[0], n))
 

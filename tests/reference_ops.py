@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  activation: str) -> torch.Tensor:
+                  activation: str, residual: torch.Tensor | None = None) -> torch.Tensor:
     y = x.double() @ weight.double().t()
     if bias is not None:
         y = y + bias.double()
@@ -19,7 +19,18 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     elif activation == "silu_and_mul":
         gate, up = y.chunk(2, dim=-1)
         y = F.silu(gate) * up
-    return y
+    return y if residual is None else y + residual.double()
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               eps: float) -> torch.Tensor:
+    return F.layer_norm(x.double(), (x.shape[-1],), weight.double(),
+                        None if bias is None else bias.double(), eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.double()
+    return weight.double() * h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:

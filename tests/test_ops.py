@@ -21,6 +21,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ["none", "gelu_tanh", "relu", "silu_and_mul"])
 @pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("with_residual", [False, True])
 # T <= 8 takes the skinny kernel (K covers its full-step, 16-wide and scalar tails); float32
 # up to 32 the token-lanes kernel (9 / 20 / 32: one and two vectors, row and column tails);
 # above, oneDNN for float32 (activations as its post-ops), BLAS for the others (1100: several
@@ -29,13 +30,40 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
                                    (3, 40, 70), (4, 512, 1100), (5, 80, 64), (7, 48, 130),
                                    (8, 1040, 520), (9, 64, 96), (20, 100, 70), (32, 512, 130),
                                    (300, 128, 512), (1100, 64, 200), (40, 0, 16), (40, 64, 0)])
-def test_packed_linear(device, dtype, activation, with_bias, T, K, N):
+def test_packed_linear(device, dtype, activation, with_bias, with_residual, T, K, N):
     gen = torch.Generator().manual_seed(T * 7 + N)
     x = torch.randn(T, K, generator=gen).to(dtype).to(device)
     w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(device)
     b = torch.randn(N, generator=gen).to(dtype).to(device) if with_bias else None
-    out = ops.packed_linear(x, w, b, activation)
-    expected = ref.packed_linear(x.cpu(), w.cpu(), None if b is None else b.cpu(), activation)
+    n_out = N // 2 if activation == "silu_and_mul" else N
+    r = torch.randn(T, n_out, generator=gen).to(dtype).to(device) if with_residual else None
+    out = ops.packed_linear(x, w, b, activation, r)
+    expected = ref.packed_linear(x.cpu(), w.cpu(), None if b is None else b.cpu(), activation,
+                                 None if r is None else r.cpu())
+    assert out.dtype == dtype and out.shape == expected.shape
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", ["layer_norm", "layer_norm_no_bias", "rms_norm"])
+@pytest.mark.parametrize("activation", ["gelu_tanh", "silu_and_mul"])
+# Up to 8 rows the norm runs in the op's own loop, above through ATen (lanes and GEMM paths).
+@pytest.mark.parametrize("T,K,N", [(0, 64, 96), (1, 64, 96), (4, 100, 34), (8, 512, 130),
+                                   (9, 64, 96), (40, 128, 70), (300, 48, 64)])
+def test_packed_linear_input_norm(device, dtype, norm, activation, T, K, N):
+    gen = torch.Generator().manual_seed(T * 11 + K)
+    x = (3 * torch.randn(T, K, generator=gen) + 1).to(dtype).to(device)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(device)
+    gamma = (1 + torch.randn(K, generator=gen) / 4).to(dtype).to(device)
+    beta = torch.randn(K, generator=gen).to(dtype).to(device) if norm == "layer_norm" else None
+    n_out = N // 2 if activation == "silu_and_mul" else N
+    r = torch.randn(T, n_out, generator=gen).to(dtype).to(device)
+    kind = "rms_norm" if norm == "rms_norm" else "layer_norm"
+    out = ops.packed_linear(x, w, None, activation, r, kind, gamma, beta, 1e-5)
+    cpu = [t.cpu() if t is not None else None for t in (x, gamma, beta)]
+    normed = (ref.rms_norm(cpu[0], cpu[1], 1e-5) if kind == "rms_norm"
+              else ref.layer_norm(*cpu, 1e-5))
+    expected = ref.packed_linear(normed, w.cpu(), None, activation, r.cpu())
     assert out.dtype == dtype and out.shape == expected.shape
     assert_close(out, expected, dtype)
 
@@ -173,6 +201,17 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.orca.packed_linear.default,
                           (x, torch.randn(8, 16, device=device), torch.randn(8, device=device),
                            "relu"))
+    for n in (5, 40):  # the fused epilogue and the GEMM path
+        torch.library.opcheck(torch.ops.orca.packed_linear.default,
+                              (torch.randn(n, 16, device=device), torch.randn(8, 16, device=device),
+                               None, "gelu_tanh", torch.randn(n, 8, device=device)))
+        norm = torch.randn(16, device=device)
+        torch.library.opcheck(torch.ops.orca.packed_linear.default,
+                              (torch.randn(n, 16, device=device), torch.randn(8, 16, device=device),
+                               None, "none", None, "layer_norm", norm, norm, 1e-5))
+        torch.library.opcheck(torch.ops.orca.packed_linear.default,
+                              (torch.randn(n, 16, device=device), torch.randn(8, 16, device=device),
+                               None, "none", None, "rms_norm", norm, None, 1e-6))
     k_cache = torch.zeros(4, 4, 2, 32, device=device)
     torch.library.opcheck(torch.ops.orca.store_kv.default,
                           (torch.randn(3, 2, 32, device=device), torch.randn(3, 2, 32, device=device),

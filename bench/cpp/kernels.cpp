@@ -13,7 +13,10 @@
 #include <vector>
 
 using PackedLinear = at::Tensor(const at::Tensor&, const at::Tensor&,
-                                const std::optional<at::Tensor>&, c10::string_view);
+                                const std::optional<at::Tensor>&, c10::string_view,
+                                const std::optional<at::Tensor>&, c10::string_view,
+                                const std::optional<at::Tensor>&,
+                                const std::optional<at::Tensor>&, double);
 
 static void BM_PackedLinearGelu(benchmark::State& state) {
   static auto op = c10::Dispatcher::singleton()
@@ -22,7 +25,7 @@ static void BM_PackedLinearGelu(benchmark::State& state) {
   const auto x = at::randn({state.range(0), 768});
   const auto w = at::randn({3072, 768});
   const std::optional<at::Tensor> b = at::randn({3072});
-  for (auto _ : state) benchmark::DoNotOptimize(op.call(x, w, b, "gelu_tanh"));
+  for (auto _ : state) benchmark::DoNotOptimize(op.call(x, w, b, "gelu_tanh", std::nullopt, "none", std::nullopt, std::nullopt, 0.0));
   state.SetLabel("T=" + std::to_string(state.range(0)) + " 768->3072 gelu_tanh");
 }
 BENCHMARK(BM_PackedLinearGelu)->Arg(32)->Arg(512)->Unit(benchmark::kMillisecond);
@@ -78,7 +81,9 @@ static void BM_SkinnyLinearModel(benchmark::State& state) {
   const auto x512 = at::randn({T, 512}, opts), x2048 = at::randn({T, 2048}, opts);
   for (auto _ : state) {
     for (const auto& m : w.matrices) {
-      benchmark::DoNotOptimize(op.call(m.size(1) == 512 ? x512 : x2048, m, std::nullopt, "none"));
+      benchmark::DoNotOptimize(
+          op.call(m.size(1) == 512 ? x512 : x2048, m, std::nullopt, "none", std::nullopt, "none",
+                  std::nullopt, std::nullopt, 0.0));
     }
   }
   state.SetBytesProcessed(state.iterations() * w.buffer.nbytes());

@@ -17,6 +17,7 @@
 #include "checks.h"
 #include "orca/cpu/lanes_linear.h"
 #include "orca/cpu/math.h"
+#include "orca/cpu/norm.h"
 #include "orca/cpu/skinny_linear.h"
 
 namespace orca {
@@ -49,10 +50,10 @@ std::optional<at::Tensor> onednn_linear(const at::Tensor& x, const at::Tensor& w
   return stack[0].toTensor();
 }
 
-template <Activation act, bool kBias, typename in_t, typename scalar_t>
+template <Activation act, bool kBias, bool kResidual, typename in_t, typename scalar_t>
 void epilogue_rows(const in_t* in, const in_t* up_in, int64_t in_stride, int64_t rows,
-                   int64_t cols, const scalar_t* bias, const scalar_t* up_bias, scalar_t* out,
-                   int64_t out_stride) {
+                   int64_t cols, const scalar_t* bias, const scalar_t* up_bias,
+                   const scalar_t* residual, scalar_t* out, int64_t out_stride) {
   const auto biased = [](const in_t* row, const scalar_t* b, int64_t j) {
     if constexpr (kBias) return static_cast<float>(row[j]) + static_cast<float>(b[j]);
     return static_cast<float>(row[j]);
@@ -60,35 +61,46 @@ void epilogue_rows(const in_t* in, const in_t* up_in, int64_t in_stride, int64_t
   for (int64_t i = 0; i < rows; ++i) {
     const in_t* t = in + i * in_stride;
     scalar_t* o = out + i * out_stride;
+    const scalar_t* r = residual + i * out_stride;
+    const auto plus_residual = [&](float v, int64_t j) {
+      if constexpr (kResidual) return v + static_cast<float>(r[j]);
+      return v;
+    };
     if constexpr (act == Activation::kSiluAndMul) {
       const in_t* u = up_in + i * in_stride;
       for (int64_t j = 0; j < cols; ++j) {
-        o[j] = static_cast<scalar_t>(cpu::silu(biased(t, bias, j)) * biased(u, up_bias, j));
+        o[j] = static_cast<scalar_t>(
+            plus_residual(cpu::silu(biased(t, bias, j)) * biased(u, up_bias, j), j));
       }
     } else {
       for (int64_t j = 0; j < cols; ++j) {
         const float v = biased(t, bias, j);
-        o[j] = static_cast<scalar_t>(act == Activation::kGeluTanh ? cpu::gelu_tanh(v)
-                                     : act == Activation::kRelu   ? cpu::relu(v)
-                                                                  : v);
+        o[j] = static_cast<scalar_t>(plus_residual(act == Activation::kGeluTanh ? cpu::gelu_tanh(v)
+                                                   : act == Activation::kRelu   ? cpu::relu(v)
+                                                                                : v, j));
       }
     }
   }
 }
 
-// out[i, j] = act(in[i, j] + bias[j]); for silu_and_mul, silu(in + bias) * (up_in + up_bias)
-// (up_bias is set exactly when bias is). With and without a bias are separate loops: from
+// out[i, j] = act(in[i, j] + bias[j]) + residual[i, j]; for silu_and_mul, silu(in + bias) *
+// (up_in + up_bias) + residual (up_bias is set exactly when bias is; residual, where set, has
+// out's layout). With and without a bias (or residual) are separate loops: from
 // `bias ? bias[j] : 0` the vectorizer emits masked loads, and on Zen 4 a masked load from a
 // null bias (all lanes off) takes a microcode assist per vector: the silu_and_mul pass after a
 // bias-free GEMM (Llama's MLP) ran ~6x slower than the eager silu(gate) * up it replaces.
 template <Activation act, typename in_t, typename scalar_t>
 void epilogue(const in_t* in, const in_t* up_in, int64_t in_stride, int64_t rows,
-              int64_t cols, const scalar_t* bias, const scalar_t* up_bias, scalar_t* out,
-              int64_t out_stride) {
+              int64_t cols, const scalar_t* bias, const scalar_t* up_bias,
+              const scalar_t* residual, scalar_t* out, int64_t out_stride) {
+  const auto run = [&]<bool kBias, bool kResidual>() {
+    epilogue_rows<act, kBias, kResidual>(in, up_in, in_stride, rows, cols, bias, up_bias,
+                                         residual, out, out_stride);
+  };
   if (bias) {
-    epilogue_rows<act, true>(in, up_in, in_stride, rows, cols, bias, up_bias, out, out_stride);
+    residual ? run.template operator()<true, true>() : run.template operator()<true, false>();
   } else {
-    epilogue_rows<act, false>(in, up_in, in_stride, rows, cols, bias, up_bias, out, out_stride);
+    residual ? run.template operator()<false, true>() : run.template operator()<false, false>();
   }
 }
 
@@ -113,7 +125,7 @@ void dot_rows(const void* x, const scalar_t* w, int64_t K, const int64_t (&first
 // side by side (one weight stream each), or a block's gate and up rows for silu_and_mul.
 template <int kT, typename scalar_t, Activation act>
 void skinny_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t* bias,
-                   at::Tensor& out) {
+                   const scalar_t* residual, at::Tensor& out) {
   constexpr int64_t B = kSkinnyBlock;
   // From 2 tokens, 4 streams share each x load: measured faster than 2 up to 8 tokens.
   constexpr int kStreams = kT >= 2 ? 4 : 2;
@@ -127,7 +139,8 @@ void skinny_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t
   const auto finish = [&](int64_t blk, const float* y, const float* up) {
     const int64_t n0 = blk * B;
     epilogue<act, float, scalar_t>(y, up, B, kT, cols_of(blk), bias ? bias + n0 : nullptr,
-                                   bias && half ? bias + half + n0 : nullptr, out_ptr + n0, N);
+                                   bias && half ? bias + half + n0 : nullptr,
+                                   residual ? residual + n0 : nullptr, out_ptr + n0, N);
   };
   // Small layers stay on one thread: a fork-join costs more than it saves below ~256 KB of
   // weights, and stalls badly when another process holds a core.
@@ -171,7 +184,7 @@ void skinny_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t
 // transposed back to [tokens][columns] for the epilogue while it is in cache.
 template <int kTV, typename scalar_t, Activation act>
 void lanes_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t* bias,
-                  at::Tensor& out) {
+                  const scalar_t* residual, at::Tensor& out) {
   constexpr int64_t B = kSkinnyBlock;
   constexpr int W = 16 * kTV;
   const int64_t T = x.size(0), K = x.size(1), N = out.size(1);
@@ -207,23 +220,24 @@ void lanes_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t*
       }
       epilogue<act, float, scalar_t>(by_token[0], half ? by_token[1] : nullptr, B, T, cols,
                                      bias ? bias + n0 : nullptr,
-                                     bias && half ? bias + half + n0 : nullptr, out_ptr + n0, N);
+                                     bias && half ? bias + half + n0 : nullptr,
+                                     residual ? residual + n0 : nullptr, out_ptr + n0, N);
     }
   });
 }
 
 template <typename scalar_t, Activation act>
 void dispatch_skinny(const at::Tensor& x, const at::Tensor& weight, const scalar_t* bias,
-                     at::Tensor& out) {
+                     const scalar_t* residual, at::Tensor& out) {
   switch (x.size(0)) {
-    case 1: return skinny_linear<1, scalar_t, act>(x, weight, bias, out);
-    case 2: return skinny_linear<2, scalar_t, act>(x, weight, bias, out);
-    case 3: return skinny_linear<3, scalar_t, act>(x, weight, bias, out);
-    case 4: return skinny_linear<4, scalar_t, act>(x, weight, bias, out);
-    case 5: return skinny_linear<5, scalar_t, act>(x, weight, bias, out);
-    case 6: return skinny_linear<6, scalar_t, act>(x, weight, bias, out);
-    case 7: return skinny_linear<7, scalar_t, act>(x, weight, bias, out);
-    default: return skinny_linear<8, scalar_t, act>(x, weight, bias, out);
+    case 1: return skinny_linear<1, scalar_t, act>(x, weight, bias, residual, out);
+    case 2: return skinny_linear<2, scalar_t, act>(x, weight, bias, residual, out);
+    case 3: return skinny_linear<3, scalar_t, act>(x, weight, bias, residual, out);
+    case 4: return skinny_linear<4, scalar_t, act>(x, weight, bias, residual, out);
+    case 5: return skinny_linear<5, scalar_t, act>(x, weight, bias, residual, out);
+    case 6: return skinny_linear<6, scalar_t, act>(x, weight, bias, residual, out);
+    case 7: return skinny_linear<7, scalar_t, act>(x, weight, bias, residual, out);
+    default: return skinny_linear<8, scalar_t, act>(x, weight, bias, residual, out);
   }
 }
 
@@ -231,7 +245,7 @@ void dispatch_skinny(const at::Tensor& x, const at::Tensor& weight, const scalar
 // writes the final values while the tile is in cache.
 template <typename scalar_t, Activation act>
 void tiled_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias,
-                  at::Tensor& out) {
+                  const scalar_t* residual, at::Tensor& out) {
   const int64_t T = x.size(0), N = out.size(1);
   // Each BLAS call re-packs its x rows and weight rows, so tiles are tall (all rows up to
   // kMaxTileRows) and as wide as keeps the buffers in L2; at least two tiles per thread.
@@ -259,8 +273,9 @@ void tiled_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
       at::Tensor b = buf.view(-1).narrow(0, 0, rows * cols).view({rows, cols});
       at::mm_out(b, xs, weight.narrow(0, c0, cols).t());
       epilogue<act, scalar_t, scalar_t>(b.data_ptr<scalar_t>(), nullptr, cols, rows, cols,
-                              bias_ptr ? bias_ptr + c0 : nullptr, nullptr, out_ptr + r0 * N + c0,
-                              N);
+                                        bias_ptr ? bias_ptr + c0 : nullptr, nullptr,
+                                        residual ? residual + r0 * N + c0 : nullptr,
+                                        out_ptr + r0 * N + c0, N);
     }
   });
 }
@@ -270,7 +285,7 @@ void tiled_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 // reads gate and up and writes the [T, I] output costs less.
 template <typename scalar_t>
 void gemm_silu_and_mul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias,
-                       at::Tensor& out) {
+                       const scalar_t* residual, at::Tensor& out) {
   std::optional<at::Tensor> y_onednn;
   if (x.scalar_type() == at::kFloat) {
     y_onednn = onednn_linear(x, weight, bias ? std::optional(*bias) : std::nullopt, "none", "");
@@ -282,18 +297,52 @@ void gemm_silu_and_mul(const at::Tensor& x, const at::Tensor& weight, const at::
   const scalar_t* y_ptr = y.data_ptr<scalar_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   at::parallel_for(0, T, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
-    epilogue<Activation::kSiluAndMul, scalar_t, scalar_t>(y_ptr + begin * 2 * I, y_ptr + begin * 2 * I + I,
-                                                2 * I, end - begin, I, nullptr, nullptr,
-                                                out_ptr + begin * I, I);
+    epilogue<Activation::kSiluAndMul, scalar_t, scalar_t>(
+        y_ptr + begin * 2 * I, y_ptr + begin * 2 * I + I, 2 * I, end - begin, I, nullptr,
+        nullptr, residual ? residual + begin * I : nullptr, out_ptr + begin * I, I);
   });
+}
+
+// The GEMM paths' output plus the residual (their BLAS / oneDNN calls run unfused).
+at::Tensor plus(at::Tensor y, const std::optional<at::Tensor>& residual) {
+  return residual ? y.add_(*residual) : y;
+}
+
+// The input rows normalized: up to kSkinnyMaxT rows on this thread (orca/cpu/norm.h), more
+// through ATen's ops.
+at::Tensor normalized_input(const at::Tensor& x, const InputNorm& norm) {
+  if (x.size(0) > kSkinnyMaxT) return normalize_rows(x, norm);
+  at::Tensor y = at::empty_like(x);
+  const at::Tensor w = norm.weight->contiguous();
+  const at::Tensor b = norm.bias ? norm.bias->contiguous() : at::Tensor();
+  ORCA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "packed_linear", [&] {
+    const auto eps = static_cast<float>(norm.eps);
+    if (norm.kind == NormKind::kLayerNorm) {
+      cpu::layer_norm_rows(x.data_ptr<scalar_t>(), x.size(0), x.size(1), w.data_ptr<scalar_t>(),
+                           b.defined() ? b.data_ptr<scalar_t>() : nullptr, eps,
+                           y.data_ptr<scalar_t>());
+    } else {
+      cpu::rms_norm_rows(x.data_ptr<scalar_t>(), x.size(0), x.size(1), w.data_ptr<scalar_t>(),
+                         eps, y.data_ptr<scalar_t>());
+    }
+  });
+  return y;
 }
 
 at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in,
                              const std::optional<at::Tensor>& bias_in,
-                             c10::string_view activation) {
+                             c10::string_view activation,
+                             const std::optional<at::Tensor>& residual_in, c10::string_view norm,
+                             const std::optional<at::Tensor>& norm_weight,
+                             const std::optional<at::Tensor>& norm_bias, double norm_eps) {
   const Activation act = parse_activation(activation);
-  check_linear_inputs(x_in, weight_in, bias_in, act);
-  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
+  check_linear_inputs(x_in, weight_in, bias_in, act, residual_in);
+  const InputNorm input_norm{parse_norm(norm), norm_weight, norm_bias, norm_eps};
+  check_input_norm(x_in, input_norm);
+  const at::Tensor x = input_norm.kind == NormKind::kNone
+                           ? x_in.contiguous()
+                           : normalized_input(x_in.contiguous(), input_norm);
+  const at::Tensor weight = weight_in.contiguous();
   const int64_t T = x.size(0);
   const int64_t n_out = act == Activation::kSiluAndMul ? weight.size(0) / 2 : weight.size(0);
   // kSkinnyMaxT < T <= kLanesMaxT: the token-lanes kernel, in float32 (measured 1.3x-2x
@@ -311,30 +360,33 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
                                                     : "none";
     if (auto y = onednn_linear(x, weight, bias_in, attr,
                                act == Activation::kGeluTanh ? "tanh" : "")) {
-      return *y;
+      return plus(*y, residual_in);
     }
   }
   if (gemm && act == Activation::kNone) {
-    return bias_in ? at::addmm(*bias_in, x, weight.t()) : at::mm(x, weight.t());
+    return plus(bias_in ? at::addmm(*bias_in, x, weight.t()) : at::mm(x, weight.t()),
+                residual_in);
   }
   at::Tensor out = at::empty({T, n_out}, x.options());
   if (T == 0 || n_out == 0) return out;
   const at::Tensor bias = bias_in ? bias_in->contiguous() : at::Tensor();
+  const at::Tensor residual = residual_in ? residual_in->contiguous() : at::Tensor();
   ORCA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "packed_linear", [&] {
     const scalar_t* bias_ptr = bias_in ? bias.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* res_ptr = residual_in ? residual.data_ptr<scalar_t>() : nullptr;
     if (T <= kSkinnyMaxT) {
       switch (act) {
-        case Activation::kNone: return dispatch_skinny<scalar_t, Activation::kNone>(x, weight, bias_ptr, out);
-        case Activation::kGeluTanh: return dispatch_skinny<scalar_t, Activation::kGeluTanh>(x, weight, bias_ptr, out);
-        case Activation::kRelu: return dispatch_skinny<scalar_t, Activation::kRelu>(x, weight, bias_ptr, out);
-        case Activation::kSiluAndMul: return dispatch_skinny<scalar_t, Activation::kSiluAndMul>(x, weight, bias_ptr, out);
+        case Activation::kNone: return dispatch_skinny<scalar_t, Activation::kNone>(x, weight, bias_ptr, res_ptr, out);
+        case Activation::kGeluTanh: return dispatch_skinny<scalar_t, Activation::kGeluTanh>(x, weight, bias_ptr, res_ptr, out);
+        case Activation::kRelu: return dispatch_skinny<scalar_t, Activation::kRelu>(x, weight, bias_ptr, res_ptr, out);
+        case Activation::kSiluAndMul: return dispatch_skinny<scalar_t, Activation::kSiluAndMul>(x, weight, bias_ptr, res_ptr, out);
       }
     }
     if constexpr (std::is_same_v<scalar_t, float> || kBf16Dot<scalar_t>) {
       if (lanes) {
         const auto run = [&]<Activation a>() {
-          return T <= 16 ? lanes_linear<1, scalar_t, a>(x, weight, bias_ptr, out)
-                         : lanes_linear<2, scalar_t, a>(x, weight, bias_ptr, out);
+          return T <= 16 ? lanes_linear<1, scalar_t, a>(x, weight, bias_ptr, res_ptr, out)
+                         : lanes_linear<2, scalar_t, a>(x, weight, bias_ptr, res_ptr, out);
         };
         switch (act) {
           case Activation::kNone: return run.template operator()<Activation::kNone>();
@@ -347,11 +399,11 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
     const at::Tensor* bias_t = bias_in ? &bias : nullptr;
     switch (act) {
       case Activation::kGeluTanh:
-        return tiled_linear<scalar_t, Activation::kGeluTanh>(x, weight, bias_t, out);
+        return tiled_linear<scalar_t, Activation::kGeluTanh>(x, weight, bias_t, res_ptr, out);
       case Activation::kRelu:
-        return tiled_linear<scalar_t, Activation::kRelu>(x, weight, bias_t, out);
+        return tiled_linear<scalar_t, Activation::kRelu>(x, weight, bias_t, res_ptr, out);
       default:
-        return gemm_silu_and_mul<scalar_t>(x, weight, bias_t, out);
+        return gemm_silu_and_mul<scalar_t>(x, weight, bias_t, res_ptr, out);
     }
   });
   return out;

@@ -190,13 +190,9 @@ at::Tensor gemm_operand(const at::Tensor& t) {
   return ok ? t : t.contiguous();
 }
 
-at::Tensor packed_linear_cuda(const at::Tensor& x_in, const at::Tensor& weight_in,
-                              const std::optional<at::Tensor>& bias_in,
-                              c10::string_view activation) {
-  const Activation act = parse_activation(activation);
-  check_linear_inputs(x_in, weight_in, bias_in, act);
-  cuda::check_cuda(x_in, "packed_linear", "x");
-  const c10::cuda::CUDAGuard guard(x_in.device());
+// act(x @ weight^T + bias) on the current stream.
+at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight_in,
+                       const std::optional<at::Tensor>& bias_in, Activation act) {
   const at::Tensor x = gemm_operand(x_in), w = gemm_operand(weight_in);
   const int64_t T = x.size(0), K = x.size(1), Nw = w.size(0);
   const bool glu = act == Activation::kSiluAndMul;
@@ -249,6 +245,26 @@ at::Tensor packed_linear_cuda(const at::Tensor& x_in, const at::Tensor& weight_i
                                                    dtype, stream),
                          "packed_linear");
   return out;
+}
+
+// The input norm and the residual, where given, are ATen ops around the kernels (the CPU path
+// fuses them: the norm on the calling thread, the residual in the epilogue).
+at::Tensor packed_linear_cuda(const at::Tensor& x_in, const at::Tensor& weight_in,
+                              const std::optional<at::Tensor>& bias_in,
+                              c10::string_view activation,
+                              const std::optional<at::Tensor>& residual, c10::string_view norm,
+                              const std::optional<at::Tensor>& norm_weight,
+                              const std::optional<at::Tensor>& norm_bias, double norm_eps) {
+  const Activation act = parse_activation(activation);
+  check_linear_inputs(x_in, weight_in, bias_in, act, residual);
+  const InputNorm input_norm{parse_norm(norm), norm_weight, norm_bias, norm_eps};
+  check_input_norm(x_in, input_norm);
+  cuda::check_cuda(x_in, "packed_linear", "x");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  at::Tensor out = linear_cuda(
+      input_norm.kind == NormKind::kNone ? x_in : normalize_rows(x_in, input_norm), weight_in,
+      bias_in, act);
+  return residual ? out.add_(*residual) : out;
 }
 
 }  // namespace

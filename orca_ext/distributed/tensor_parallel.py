@@ -164,7 +164,7 @@ class TPGroup:
 
 class RowParallelLinear(nn.Module):
     """``x`` holds this rank's slice of the input features; the partial products are summed
-    across the TP group (one all-reduce). TP rank 0 adds the bias."""
+    across the TP group (one all-reduce). TP rank 0 adds the bias and the residual."""
 
     def __init__(self, linear: nn.Module, group: TPGroup) -> None:
         super().__init__()
@@ -174,8 +174,10 @@ class RowParallelLinear(nn.Module):
         self.bias = linear.bias if group.index == 0 else None
         self.group = group
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(ops.packed_linear(x, self.weight, self.bias, "none"))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        residual = residual if self.group.index == 0 else None
+        return self.group.all_reduce(ops.packed_linear(x, self.weight, self.bias, "none",
+                                                       residual))
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -26,9 +26,11 @@ class GPT2Attention(Layer):
             self.scale /= layer_idx + 1
 
     def forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
-        return self.out(paged_attention(q, k, v, kv_cache, meta, self.scale))
+                meta: AttentionMetadata, norm: LayerNorm) -> torch.Tensor:
+        """``x + attention(norm(x))``."""
+        qkv = self.qkv(x, norm=norm)
+        q, k, v = qkv.view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
+        return self.out(paged_attention(q, k, v, kv_cache, meta, self.scale), residual=x)
 
 
 class GPT2MLP(Layer):
@@ -38,8 +40,9 @@ class GPT2MLP(Layer):
                          activation=config.activation)
         self.proj = Linear(config.intermediate_size, config.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.fc(x))
+    def forward(self, x: torch.Tensor, norm: LayerNorm) -> torch.Tensor:
+        """``x + mlp(norm(x))``."""
+        return self.proj(self.fc(x, norm=norm), residual=x)
 
 
 class GPT2Block(Layer):
@@ -52,8 +55,8 @@ class GPT2Block(Layer):
 
     def forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv_cache, meta)
-        return x + self.mlp(self.ln_2(x))
+        x = self.attn(x, kv_cache, meta, norm=self.ln_1)
+        return self.mlp(x, norm=self.ln_2)
 
 
 class GPT2(nn.Module):

@@ -49,7 +49,10 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class Linear(Layer):
-    """``activation(x @ weight.T + bias)``; ``silu_and_mul`` halves the output width."""
+    """``activation(norm(x) @ weight.T + bias) (+ residual)``; ``silu_and_mul`` halves the
+    output width. A block's norms and residual adds run inside its linears (the norm on the
+    input rows, the add in the epilogue): in a decode step each separate small op cost ~7-12 us,
+    as the weights streaming through evict the small ops' code and data from the caches."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  activation: str = "none") -> None:
@@ -58,8 +61,11 @@ class Linear(Layer):
         self.bias = _param(out_features) if bias else None
         self.activation = activation
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.packed_linear(x, self.weight, self.bias, self.activation)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                norm: LayerNorm | RMSNorm | None = None) -> torch.Tensor:
+        norm_args = () if norm is None else norm.fused_args()
+        return ops.packed_linear(x, self.weight, self.bias, self.activation, residual,
+                                 *norm_args)
 
 
 class Embedding(Layer):
@@ -81,6 +87,10 @@ class LayerNorm(Layer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
+    def fused_args(self) -> tuple[str, torch.Tensor, torch.Tensor, float]:
+        """``packed_linear``'s norm arguments for this norm."""
+        return "layer_norm", self.weight, self.bias, self.eps
+
 
 class RMSNorm(Layer):
     """Llama's RMSNorm: normalized in float32, cast back, then scaled."""
@@ -94,6 +104,10 @@ class RMSNorm(Layer):
         h = x.float()
         h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+    def fused_args(self) -> tuple[str, torch.Tensor, None, float]:
+        """``packed_linear``'s norm arguments for this norm."""
+        return "rms_norm", self.weight, None, self.eps
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

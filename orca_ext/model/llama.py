@@ -28,14 +28,15 @@ class LlamaAttention(Layer):
         self.scale = config.attention_scale
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv(x).view(x.shape[0], -1, self.head_dim)
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                norm: RMSNorm) -> torch.Tensor:
+        """``x + attention(norm(x))``."""
+        qkv = self.qkv(x, norm=norm).view(x.shape[0], -1, self.head_dim)
         # Rotate q and k heads together; v heads are the last num_kv_heads.
         qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads:]
-        return self.out(paged_attention(q, k, v, kv_cache, meta, self.scale))
+        return self.out(paged_attention(q, k, v, kv_cache, meta, self.scale), residual=x)
 
 
 class LlamaMLP(Layer):
@@ -46,8 +47,9 @@ class LlamaMLP(Layer):
                               bias=config.mlp_bias, activation="silu_and_mul")
         self.down = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up(x))
+    def forward(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """``x + mlp(norm(x))``."""
+        return self.down(self.gate_up(x, norm=norm), residual=x)
 
 
 class LlamaBlock(Layer):
@@ -61,8 +63,8 @@ class LlamaBlock(Layer):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attn_norm(x))
+        x = self.attn(x, cos, sin, kv_cache, meta, norm=self.input_norm)
+        return self.mlp(x, norm=self.post_attn_norm)
 
 
 class Llama(nn.Module):
