@@ -158,6 +158,62 @@ def test_runner_skips_unsampled_and_empty_batches():
     assert out.logprobs[0].logprob == max(out.logprobs[0].top.values())
 
 
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_traced_runner_matches_eager(hf_model, block_size):
+    """The TorchScript replay (the CPU default) gives the eager forward's results bit for bit,
+    over iterations of different sizes: prefills, a chunk with nothing sampled, decodes."""
+    _, folder = hf_model
+    loaded = load_model(str(folder))
+    params = SamplingParams(temperature=0.0, logprobs=3)
+    total = {r: sum(n for step in SCHEDULE for q, n in step if q == r) for r in range(4)}
+    gen = torch.Generator().manual_seed(block_size)
+    tokens = {r: torch.randint(0, VOCAB, (n,), generator=gen).tolist() for r, n in total.items()}
+    blocks = sum(-(-n // block_size) for n in total.values())
+    runners = [ModelRunner(loaded.model, KVCache(loaded.config, blocks, block_size, torch.float32),
+                           SlotAllocator(blocks, block_size), trace=trace) for trace in (False, True)]
+    assert runners[0].traced is None and runners[1].traced is not None
+    for runner in runners:
+        for r, n in total.items():
+            runner.allocator.allocate(r, n)
+    done = dict.fromkeys(total, 0)
+    for iteration, step in enumerate(SCHEDULE):
+        scheduled = []
+        for r, n in step:
+            scheduled.append(ScheduledRequest(r, tokens[r][done[r]:done[r] + n], done[r], params,
+                                              tokens[r], [], sample=(r, n) != (1, 3)))
+            done[r] += n
+        eager, traced = (runner.execute(SchedulerOutput(iteration, scheduled))
+                         for runner in runners)
+        assert traced.request_ids == eager.request_ids
+        assert traced.sampled_token_ids == eager.sampled_token_ids
+        assert traced.logprobs == eager.logprobs
+
+
+def test_runner_runs_eagerly_when_tracing_fails(caplog):
+    class Untraceable(torch.nn.Module):
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, *args):
+            if torch.jit.is_tracing():
+                raise RuntimeError("not traceable")
+            return self.model(*args)
+
+        def compute_logits(self, hidden, indices):
+            return self.model.compute_logits(hidden, indices)
+
+    loaded = load_model("orca-tiny")
+    runner = ModelRunner(Untraceable(loaded.model), KVCache(loaded.config, 8, 4, torch.float32),
+                         SlotAllocator(8, 4))
+    assert runner.traced is None
+    assert "running Untraceable eagerly: tracing its forward failed (not traceable)" in caplog.text
+    runner.allocator.allocate(0, 6)
+    out = runner.execute(SchedulerOutput(0, [ScheduledRequest(0, [1, 2, 3], 0, GREEDY,
+                                                              [1, 2, 3], [])]))
+    assert out.request_ids == [0] and len(out.sampled_token_ids) == 1
+
+
 def test_runner_rejects_mismatched_allocator():
     loaded = load_model("orca-tiny")
     with pytest.raises(ValueError, match="allocator"):

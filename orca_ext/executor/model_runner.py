@@ -8,6 +8,7 @@ from ..batch import RunnerOutput, SchedulerOutput, packed_rows
 from ..kv import SlotAllocator
 from ..model.layers import AttentionMetadata
 from ..sampling import Sampler
+from .graph import trace_iteration
 from .kv_cache import KVCache
 
 
@@ -15,11 +16,13 @@ class ModelRunner:
     """Packs the scheduled requests' tokens, builds the iteration's attention metadata once
     (``allocator.build_metadata``), runs the model, and samples each request's last token.
 
-    The scheduler owns the allocator's allocate/extend/free; the runner only reads it.
+    The scheduler owns the allocator's allocate/extend/free; the runner only reads it. On CPU
+    the model's forward pass and logits replay from a TorchScript trace (``graph.py``) unless
+    ``trace=False``; pass False for a model whose forward has Python side effects.
     """
 
     def __init__(self, model: nn.Module, kv_cache: KVCache, allocator: SlotAllocator,
-                 sampler: Sampler | None = None) -> None:
+                 sampler: Sampler | None = None, trace: bool | None = None) -> None:
         if (allocator.block_size != kv_cache.block_size
                 or allocator.num_blocks > kv_cache.num_blocks):
             raise ValueError(f"allocator ({allocator.num_blocks} blocks of {allocator.block_size}) "
@@ -28,6 +31,9 @@ class ModelRunner:
         self.model, self.kv_cache, self.allocator = model, kv_cache, allocator
         self.sampler = sampler or Sampler()
         self.device = kv_cache.device
+        if trace is None:
+            trace = self.device.type == "cpu"
+        self.traced = trace_iteration(model, kv_cache) if trace else None
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
@@ -43,10 +49,14 @@ class ModelRunner:
                 [r.request_id for r in requests], [r.num_computed for r in requests], num_rows))
         input_ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         meta = AttentionMetadata(cu_q_lens, context_lens, block_table, slot_mapping)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        indices = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        if self.traced is not None:
+            logits = self.traced(input_ids, positions, meta, indices)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            logits = self.model.compute_logits(hidden, indices) if sampled else None
         if not sampled:
             return output
-        indices = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        result = self.sampler(self.model.compute_logits(hidden, indices), sampled)
+        result = self.sampler(logits, sampled)
         output.sampled_token_ids, output.logprobs = result.token_ids, result.logprobs
         return output
