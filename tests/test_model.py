@@ -170,7 +170,8 @@ def test_traced_runner_matches_eager(hf_model, block_size):
     tokens = {r: torch.randint(0, VOCAB, (n,), generator=gen).tolist() for r, n in total.items()}
     blocks = sum(-(-n // block_size) for n in total.values())
     runners = [ModelRunner(loaded.model, KVCache(loaded.config, blocks, block_size, torch.float32),
-                           SlotAllocator(blocks, block_size), trace=trace) for trace in (False, True)]
+                           SlotAllocator(blocks, block_size), trace=trace)
+               for trace in (False, True)]
     assert runners[0].traced is None and runners[1].traced is not None
     for runner in runners:
         for r, n in total.items():
