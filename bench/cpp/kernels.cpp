@@ -25,7 +25,10 @@ static void BM_PackedLinearGelu(benchmark::State& state) {
   const auto x = at::randn({state.range(0), 768});
   const auto w = at::randn({3072, 768});
   const std::optional<at::Tensor> b = at::randn({3072});
-  for (auto _ : state) benchmark::DoNotOptimize(op.call(x, w, b, "gelu_tanh", std::nullopt, "none", std::nullopt, std::nullopt, 0.0));
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(
+        op.call(x, w, b, "gelu_tanh", std::nullopt, "none", std::nullopt, std::nullopt, 0.0));
+  }
   state.SetLabel("T=" + std::to_string(state.range(0)) + " 768->3072 gelu_tanh");
 }
 BENCHMARK(BM_PackedLinearGelu)->Arg(32)->Arg(512)->Unit(benchmark::kMillisecond);

@@ -75,9 +75,10 @@ void epilogue_rows(const in_t* in, const in_t* up_in, int64_t in_stride, int64_t
     } else {
       for (int64_t j = 0; j < cols; ++j) {
         const float v = biased(t, bias, j);
-        o[j] = static_cast<scalar_t>(plus_residual(act == Activation::kGeluTanh ? cpu::gelu_tanh(v)
-                                                   : act == Activation::kRelu   ? cpu::relu(v)
-                                                                                : v, j));
+        const float a = act == Activation::kGeluTanh ? cpu::gelu_tanh(v)
+                        : act == Activation::kRelu   ? cpu::relu(v)
+                                                     : v;
+        o[j] = static_cast<scalar_t>(plus_residual(a, j));
       }
     }
   }
@@ -375,11 +376,14 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
     const scalar_t* bias_ptr = bias_in ? bias.data_ptr<scalar_t>() : nullptr;
     const scalar_t* res_ptr = residual_in ? residual.data_ptr<scalar_t>() : nullptr;
     if (T <= kSkinnyMaxT) {
+      const auto run = [&]<Activation a>() {
+        return dispatch_skinny<scalar_t, a>(x, weight, bias_ptr, res_ptr, out);
+      };
       switch (act) {
-        case Activation::kNone: return dispatch_skinny<scalar_t, Activation::kNone>(x, weight, bias_ptr, res_ptr, out);
-        case Activation::kGeluTanh: return dispatch_skinny<scalar_t, Activation::kGeluTanh>(x, weight, bias_ptr, res_ptr, out);
-        case Activation::kRelu: return dispatch_skinny<scalar_t, Activation::kRelu>(x, weight, bias_ptr, res_ptr, out);
-        case Activation::kSiluAndMul: return dispatch_skinny<scalar_t, Activation::kSiluAndMul>(x, weight, bias_ptr, res_ptr, out);
+        case Activation::kNone: return run.template operator()<Activation::kNone>();
+        case Activation::kGeluTanh: return run.template operator()<Activation::kGeluTanh>();
+        case Activation::kRelu: return run.template operator()<Activation::kRelu>();
+        case Activation::kSiluAndMul: return run.template operator()<Activation::kSiluAndMul>();
       }
     }
     if constexpr (std::is_same_v<scalar_t, float> || kBf16Dot<scalar_t>) {

@@ -4,8 +4,8 @@ Run eagerly, every op of a decode step goes through the Python interpreter: ~100
 few microseconds each, slower still because the weights streaming through the caches evict
 the interpreter's code and data between calls. The trace records the same ops once, with the
 packed sizes kept symbolic (``x.shape[0]`` becomes a size op), and TorchScript's C++
-interpreter replays them for any batch. On orca-tiny's 2-core CPU decode step that was
-1.12x faster at batch 1 and 4 (ad hoc, in one process against the eager forward).
+interpreter replays them for any batch. A decode step of orca-tiny on our 2-core CPU ran
+1.08x-1.17x faster at batch 1-4 (ad hoc, in one process against the eager forward).
 
 Only for models whose forward is pure tensor code (GPT-2 and Llama here): Python side effects
 such as the distributed wrappers' communication would not be recorded, so the distributed

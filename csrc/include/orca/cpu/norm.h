@@ -38,11 +38,15 @@ void rms_norm_rows(const scalar_t* x, int64_t rows, int64_t K, const scalar_t* w
   for (int64_t i = 0; i < rows; ++i) {
     const scalar_t* xr = x + i * K;
     float sum_sq = 0.f;
-    for (int64_t k = 0; k < K; ++k) sum_sq += static_cast<float>(xr[k]) * static_cast<float>(xr[k]);
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = static_cast<float>(xr[k]);
+      sum_sq += v * v;
+    }
     const float rstd = 1.f / std::sqrt(sum_sq / static_cast<float>(K) + eps);
     for (int64_t k = 0; k < K; ++k) {
-      const scalar_t normalized = static_cast<scalar_t>(static_cast<float>(xr[k]) * rstd);
-      y[i * K + k] = static_cast<scalar_t>(static_cast<float>(w[k]) * static_cast<float>(normalized));
+      // Rounded to the dtype before the scale, as h.to(x.dtype) in LlamaRMSNorm.
+      const float normalized = static_cast<scalar_t>(static_cast<float>(xr[k]) * rstd);
+      y[i * K + k] = static_cast<scalar_t>(static_cast<float>(w[k]) * normalized);
     }
   }
 }
