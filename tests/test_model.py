@@ -158,18 +158,19 @@ def test_runner_skips_unsampled_and_empty_batches():
     assert out.logprobs[0].logprob == max(out.logprobs[0].top.values())
 
 
-@pytest.mark.parametrize("block_size", [1, 16])
-def test_traced_runner_matches_eager(hf_model, block_size):
+@pytest.mark.parametrize("block_size,dtype", [(1, torch.float32), (16, torch.float32),
+                                              (16, torch.bfloat16)])
+def test_traced_runner_matches_eager(hf_model, block_size, dtype):
     """The TorchScript replay (the CPU default) gives the eager forward's results bit for bit,
     over iterations of different sizes: prefills, a chunk with nothing sampled, decodes."""
     _, folder = hf_model
-    loaded = load_model(str(folder))
+    loaded = load_model(str(folder), dtype=dtype)
     params = SamplingParams(temperature=0.0, logprobs=3)
     total = {r: sum(n for step in SCHEDULE for q, n in step if q == r) for r in range(4)}
     gen = torch.Generator().manual_seed(block_size)
     tokens = {r: torch.randint(0, VOCAB, (n,), generator=gen).tolist() for r, n in total.items()}
     blocks = sum(-(-n // block_size) for n in total.values())
-    runners = [ModelRunner(loaded.model, KVCache(loaded.config, blocks, block_size, torch.float32),
+    runners = [ModelRunner(loaded.model, KVCache(loaded.config, blocks, block_size, dtype),
                            SlotAllocator(blocks, block_size), trace=trace)
                for trace in (False, True)]
     assert runners[0].traced is None and runners[1].traced is not None
