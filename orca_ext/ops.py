@@ -10,7 +10,6 @@ import torch
 from . import _C  # noqa: F401  (loads the library that registers torch.ops.orca)
 
 ACTIVATIONS = ("none", "gelu_tanh", "relu", "silu_and_mul")
-NORMS = ("none", "layer_norm", "rms_norm")
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -51,8 +51,8 @@ def _param(*shape: int) -> nn.Parameter:
 class Linear(Layer):
     """``activation(norm(x) @ weight.T + bias) (+ residual)``; ``silu_and_mul`` halves the
     output width. A block's norms and residual adds run inside its linears (the norm on the
-    input rows, the add in the epilogue): in a decode step each separate small op cost ~7-12 us,
-    as the weights streaming through evict the small ops' code and data from the caches."""
+    input rows, the add in the epilogue) rather than as ops of their own: a Llama decode step,
+    whose RMSNorm was seven ops, ran 1.12x-1.14x faster so (ad hoc, 2-core CPU)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  activation: str = "none") -> None:
