@@ -22,10 +22,10 @@
 
 namespace orca::cpu {
 
-// How far ahead of its reads each weight stream is prefetched. float32 from 2 tokens (4
-// streams per thread): 3 KB, measured 1.05x / 1.03x (4 / 2 tokens, 32 orca-tiny linears in a
-// row, ad hoc) while the host's memory ran at ~60 GB/s and 0.99x / 1.02x at ~34 GB/s; 1 KB
-// 0.77x-0.90x, 4-6 KB no better. One token (2 streams) keeps 2 KB (3 KB: 0.98x, 4 KB: 0.92x).
+// How far ahead of its reads each weight stream is prefetched. From 2 tokens (4 streams per
+// thread) 3 KB: against 2 KB, float32, orca-tiny's 32 linears in a row (ad hoc), 1.02x-1.05x
+// at 4 tokens and 1.03x at 2 while the host's memory ran at ~60 GB/s, 0.99x-1.02x at ~34;
+// 1 KB 0.77x-0.90x, 4-6 KB no better. One token (2 streams) keeps 2 KB (3 KB: 0.98x).
 constexpr int64_t kSkinnyPrefetchBytes = 2048;
 template <int kT>
 constexpr int64_t skinny_prefetch_bytes() {
