@@ -4,8 +4,9 @@
 // streams, prefetched ahead, with each x load shared by all of them. Measured on a 2-core
 // Zen 4: about 1.2x (1 token) to 1.3x (4 tokens) the bandwidth of one stream, and 2x that of
 // reading a few adjacent rows interleaved (short streams the hardware prefetcher follows
-// badly). The software prefetch targets L2 (prefetcht1): into L1 (t0 / nta) it held 3-4 tokens
-// to ~27 GB/s against ~35 GB/s, as the FMAs left fewer loads in flight (1 token: about equal).
+// badly). The software prefetch runs far ahead into L2 (prefetcht1; far ahead into L1 instead,
+// t0 / nta, it held 3-4 tokens to ~27 GB/s against ~35 GB/s, as the FMAs left fewer loads in
+// flight), and a few lines ahead from L2 into L1 (prefetcht0).
 // BLAS GEMM kernels are tuned for many rows and lose much of the bandwidth here.
 #pragma once
 
@@ -31,6 +32,11 @@ template <int kT>
 constexpr int64_t skinny_prefetch_bytes() {
   return kT >= 2 ? 3072 : kSkinnyPrefetchBytes;
 }
+// Each line is also asked into L1 (prefetcht0) this far ahead of its load, from L2 where the
+// far prefetch put it: against none (float32, the 32 linears in a row, ad hoc, rounds split by
+// the memory state) 1.08x / 1.10x / 1.02x at 1 / 2 / 4 tokens with the memory at ~60 GB/s,
+// 1.02x / 1.05x / 1.06x at 1 / 3 / 4 at ~34; 8 tokens 0.99x / 1.05x. 1 KB about as good.
+constexpr int64_t kSkinnyL1PrefetchBytes = 512;
 
 // Rows first[s] + i of w: [N, K] (s < kStreams, i < rows) against x: [kT, K] float32; writes
 // y[s][t * y_stride + i].
@@ -50,8 +56,9 @@ void skinny_rows(const float* x, const scalar_t* w, int64_t K, const int64_t (&f
         vec16 wv[kStreams];
         for (int s = 0; s < kStreams; ++s) {
           const scalar_t* chunk = row[s] + k + 16 * c;
-          __builtin_prefetch(reinterpret_cast<const char*>(chunk) + skinny_prefetch_bytes<kT>(),
-                             0, 2);
+          const char* bytes = reinterpret_cast<const char*>(chunk);
+          __builtin_prefetch(bytes + skinny_prefetch_bytes<kT>(), 0, 2);
+          __builtin_prefetch(bytes + kSkinnyL1PrefetchBytes, 0, 3);
           wv[s] = load16_as_float(chunk);
           keep_in_register(wv[s]);
         }
