@@ -35,7 +35,7 @@ constexpr int64_t skinny_prefetch_bytes() {
 // Each line is also asked into L1 (prefetcht0) this far ahead of its load, from L2 where the
 // far prefetch put it: against none (float32, the 32 linears in a row, ad hoc, rounds split by
 // the memory state) 1.08x / 1.10x / 1.02x at 1 / 2 / 4 tokens with the memory at ~60 GB/s,
-// 1.02x / 1.05x / 1.06x at 1 / 3 / 4 at ~34; 8 tokens 0.99x / 1.05x. 1 KB about as good.
+// 1.02x / 1.05x / 1.06x at 1 / 3 / 4 at ~34; 8 tokens 0.99x at ~60. 1 KB about as good.
 constexpr int64_t kSkinnyL1PrefetchBytes = 512;
 
 // Rows first[s] + i of w: [N, K] (s < kStreams, i < rows) against x: [kT, K] float32; writes
