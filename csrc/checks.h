@@ -190,9 +190,22 @@ inline at::Tensor normalize_rows(const at::Tensor& x, const InputNorm& norm) {
   return *norm.weight * (h * at::rsqrt(h.square().mean(-1, true) + norm.eps)).to(x.scalar_type());
 }
 
-inline void check_linear_inputs(const at::Tensor& x, const at::Tensor& weight,
-                                const std::optional<at::Tensor>& bias, Activation act,
-                                const std::optional<at::Tensor>& residual) {
+// packed_linear's arguments as both devices' launchers use them (norm refers to the caller's
+// optional tensors).
+struct LinearArgs {
+  Activation act;
+  InputNorm norm;
+};
+
+inline LinearArgs check_linear_inputs(const at::Tensor& x, const at::Tensor& weight,
+                                      const std::optional<at::Tensor>& bias,
+                                      c10::string_view activation,
+                                      const std::optional<at::Tensor>& residual,
+                                      c10::string_view norm,
+                                      const std::optional<at::Tensor>& norm_weight,
+                                      const std::optional<at::Tensor>& norm_bias,
+                                      double norm_eps) {
+  const Activation act = parse_activation(activation);
   check_dim(x, "x", 2, "[T, K]");
   check_dim(weight, "weight", 2, "[N, K]");
   check_float_dtype(x, "x");
@@ -220,6 +233,9 @@ inline void check_linear_inputs(const at::Tensor& x, const at::Tensor& weight,
                 "residual must be the output's shape [", x.size(0), ", ", n_out, "], got shape ",
                 shape_str(*residual));
   }
+  const InputNorm input_norm{parse_norm(norm), norm_weight, norm_bias, norm_eps};
+  check_input_norm(x, input_norm);
+  return {act, input_norm};
 }
 
 }  // namespace orca

@@ -336,10 +336,8 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
                              const std::optional<at::Tensor>& residual_in, c10::string_view norm,
                              const std::optional<at::Tensor>& norm_weight,
                              const std::optional<at::Tensor>& norm_bias, double norm_eps) {
-  const Activation act = parse_activation(activation);
-  check_linear_inputs(x_in, weight_in, bias_in, act, residual_in);
-  const InputNorm input_norm{parse_norm(norm), norm_weight, norm_bias, norm_eps};
-  check_input_norm(x_in, input_norm);
+  const auto [act, input_norm] = check_linear_inputs(
+      x_in, weight_in, bias_in, activation, residual_in, norm, norm_weight, norm_bias, norm_eps);
   const at::Tensor x = input_norm.kind == NormKind::kNone
                            ? x_in.contiguous()
                            : normalized_input(x_in.contiguous(), input_norm);

@@ -255,10 +255,8 @@ at::Tensor packed_linear_cuda(const at::Tensor& x_in, const at::Tensor& weight_i
                               const std::optional<at::Tensor>& residual, c10::string_view norm,
                               const std::optional<at::Tensor>& norm_weight,
                               const std::optional<at::Tensor>& norm_bias, double norm_eps) {
-  const Activation act = parse_activation(activation);
-  check_linear_inputs(x_in, weight_in, bias_in, act, residual);
-  const InputNorm input_norm{parse_norm(norm), norm_weight, norm_bias, norm_eps};
-  check_input_norm(x_in, input_norm);
+  const auto [act, input_norm] = check_linear_inputs(
+      x_in, weight_in, bias_in, activation, residual, norm, norm_weight, norm_bias, norm_eps);
   cuda::check_cuda(x_in, "packed_linear", "x");
   const c10::cuda::CUDAGuard guard(x_in.device());
   at::Tensor out = linear_cuda(
