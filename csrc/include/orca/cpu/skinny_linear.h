@@ -40,6 +40,13 @@ constexpr int64_t skinny_prefetch_bytes() {
 // 2, 0.99x-1.02x at 4 and 8.
 constexpr int64_t kSkinnyL1PrefetchBytes = 512;
 
+// Both prefetches of a weight stream at `at`: far_bytes ahead into L2, the near one into L1.
+inline void prefetch_weights(const void* at, int64_t far_bytes) {
+  const char* bytes = static_cast<const char*>(at);
+  __builtin_prefetch(bytes + far_bytes, 0, 2);
+  __builtin_prefetch(bytes + kSkinnyL1PrefetchBytes, 0, 3);
+}
+
 // Rows first[s] + i of w: [N, K] (s < kStreams, i < rows) against x: [kT, K] float32; writes
 // y[s][t * y_stride + i].
 template <int kT, int kStreams, typename scalar_t>
@@ -58,9 +65,7 @@ void skinny_rows(const float* x, const scalar_t* w, int64_t K, const int64_t (&f
         vec16 wv[kStreams];
         for (int s = 0; s < kStreams; ++s) {
           const scalar_t* chunk = row[s] + k + 16 * c;
-          const char* bytes = reinterpret_cast<const char*>(chunk);
-          __builtin_prefetch(bytes + skinny_prefetch_bytes<kT>(), 0, 2);
-          __builtin_prefetch(bytes + kSkinnyL1PrefetchBytes, 0, 3);
+          prefetch_weights(chunk, skinny_prefetch_bytes<kT>());
           wv[s] = load16_as_float(chunk);
           keep_in_register(wv[s]);
         }
@@ -118,9 +123,7 @@ void skinny_rows_bf16(const uint16_t* x, const uint16_t* w, int64_t K,
     const auto chunk = [&](int64_t k, int c) {
       __m512bh wv[kStreams];
       for (int s = 0; s < kStreams; ++s) {
-        const char* bytes = reinterpret_cast<const char*>(row[s] + k);
-        __builtin_prefetch(bytes + kSkinnyPrefetchBytes, 0, 2);
-        __builtin_prefetch(bytes + kSkinnyL1PrefetchBytes, 0, 3);
+        prefetch_weights(row[s] + k, kSkinnyPrefetchBytes);
         wv[s] = load(row[s] + k);
         keep_in_register(wv[s]);
       }
