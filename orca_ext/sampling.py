@@ -99,6 +99,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor,
                  requests: Sequence[ScheduledRequest]) -> SamplerOutput:
         params = [r.sampling_params for r in requests]
+        if all(p.greedy and p.logprobs is None and not _has_penalty(p) for p in params):
+            # The common decode case: one argmax (each torch call here costs microseconds
+            # once a step's weight stream has evicted the caches).
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(params))
         scores = logits.float()
         if any(_has_penalty(p) for p in params):
             scores = apply_penalties(scores, requests)

@@ -47,9 +47,10 @@ def test_packed_linear(device, dtype, activation, with_bias, with_residual, T, K
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm", ["layer_norm", "layer_norm_no_bias", "rms_norm"])
 @pytest.mark.parametrize("activation", ["gelu_tanh", "silu_and_mul"])
-# Up to 8 rows the norm runs in the op's own loop, above through ATen (lanes and GEMM paths).
-@pytest.mark.parametrize("T,K,N", [(0, 64, 96), (1, 64, 96), (4, 100, 34), (8, 512, 130),
-                                   (9, 64, 96), (40, 128, 70), (300, 48, 64)])
+# Up to 8 rows the norm runs in the op's own loop (its sums over 32, then 16, then single
+# elements: K = 84 has all three), above through ATen (lanes and GEMM paths).
+@pytest.mark.parametrize("T,K,N", [(0, 64, 96), (1, 64, 96), (2, 84, 40), (4, 100, 34),
+                                   (8, 512, 130), (9, 64, 96), (40, 128, 70), (300, 48, 64)])
 def test_packed_linear_input_norm(device, dtype, norm, activation, T, K, N):
     gen = torch.Generator().manual_seed(T * 11 + K)
     x = (3 * torch.randn(T, K, generator=gen) + 1).to(dtype).to(device)

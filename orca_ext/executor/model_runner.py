@@ -44,12 +44,16 @@ class ModelRunner:
         if not requests:
             return output
         token_ids, num_rows, sample_rows = packed_rows(requests)
-        cu_q_lens, context_lens, block_table, slot_mapping, positions = (
-            t.to(self.device, non_blocking=True) for t in self.allocator.build_metadata(
-                [r.request_id for r in requests], [r.num_computed for r in requests], num_rows))
-        input_ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        host = (*self.allocator.build_metadata([r.request_id for r in requests],
+                                               [r.num_computed for r in requests], num_rows),
+                torch.tensor(token_ids, dtype=torch.int64),
+                torch.tensor(sample_rows, dtype=torch.int64))
+        # On CPU even a no-op .to() per tensor costs microseconds, once a decode step's weight
+        # stream has evicted the caches.
+        if self.device.type != "cpu":
+            host = tuple(t.to(self.device, non_blocking=True) for t in host)
+        cu_q_lens, context_lens, block_table, slot_mapping, positions, input_ids, indices = host
         meta = AttentionMetadata(cu_q_lens, context_lens, block_table, slot_mapping)
-        indices = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         if self.traced is not None:
             logits = self.traced(input_ids, positions, meta, indices)
         else:

@@ -9,20 +9,34 @@
 #include <cmath>
 #include <cstdint>
 
+#include "orca/cpu/vec.h"
+
 namespace orca::cpu {
+
+// sum over k < K of f(x[k]) (f on floats, lane-wise on vectors), in 16 float lanes and then
+// across them: a scalar sum is one dependent add per element (~4 cycles each: a 512-wide
+// row's layer_norm took ~4.5 us on the calling thread for 4 tokens, ~70 us of a decode step).
+template <typename scalar_t, typename F>
+float row_sum(const scalar_t* x, int64_t K, const F& f) {
+  vec16 lanes[2] = {};
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    lanes[0] += f(load16_as_float(x + k));
+    lanes[1] += f(load16_as_float(x + k + 16));
+  }
+  for (; k + 16 <= K; k += 16) lanes[0] += f(load16_as_float(x + k));
+  float sum = hsum(lanes[0] + lanes[1]);
+  for (; k < K; ++k) sum += f(static_cast<float>(x[k]));
+  return sum;
+}
 
 template <typename scalar_t>
 void layer_norm_rows(const scalar_t* x, int64_t rows, int64_t K, const scalar_t* w,
                      const scalar_t* b, float eps, scalar_t* y) {
   for (int64_t i = 0; i < rows; ++i) {
     const scalar_t* xr = x + i * K;
-    float mean = 0.f, var = 0.f;
-    for (int64_t k = 0; k < K; ++k) mean += static_cast<float>(xr[k]);
-    mean /= static_cast<float>(K);
-    for (int64_t k = 0; k < K; ++k) {
-      const float d = static_cast<float>(xr[k]) - mean;
-      var += d * d;
-    }
+    const float mean = row_sum(xr, K, [](auto v) { return v; }) / static_cast<float>(K);
+    const float var = row_sum(xr, K, [mean](auto v) { return (v - mean) * (v - mean); });
     const float rstd = 1.f / std::sqrt(var / static_cast<float>(K) + eps);
     for (int64_t k = 0; k < K; ++k) {
       const float bias = b ? static_cast<float>(b[k]) : 0.f;
@@ -37,11 +51,7 @@ void rms_norm_rows(const scalar_t* x, int64_t rows, int64_t K, const scalar_t* w
                    scalar_t* y) {
   for (int64_t i = 0; i < rows; ++i) {
     const scalar_t* xr = x + i * K;
-    float sum_sq = 0.f;
-    for (int64_t k = 0; k < K; ++k) {
-      const float v = static_cast<float>(xr[k]);
-      sum_sq += v * v;
-    }
+    const float sum_sq = row_sum(xr, K, [](auto v) { return v * v; });
     const float rstd = 1.f / std::sqrt(sum_sq / static_cast<float>(K) + eps);
     for (int64_t k = 0; k < K; ++k) {
       // Rounded to the dtype before the scale, as h.to(x.dtype) in LlamaRMSNorm.
