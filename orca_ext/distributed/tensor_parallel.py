@@ -25,7 +25,7 @@ from torch import nn
 
 from .. import ops
 from ..model.config import ModelConfig
-from ..model.layers import Linear
+from ..model.layers import LayerNorm, Linear, RMSNorm
 
 
 @dataclass(frozen=True)
@@ -205,8 +205,10 @@ class VocabParallelLMHead(nn.Module):
             raise ValueError("a vocab-parallel lm_head has no bias or activation")
         self.weight, self.vocab_size, self.group = linear.weight, vocab_size, group
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = self.group.all_gather(ops.packed_linear(x, self.weight, None, "none"))
+    def forward(self, x: torch.Tensor, norm: LayerNorm | RMSNorm | None = None) -> torch.Tensor:
+        norm_args = () if norm is None else norm.fused_args()
+        parts = self.group.all_gather(ops.packed_linear(x, self.weight, None, "none", None,
+                                                        *norm_args))
         return torch.cat(parts, dim=1)[:, :self.vocab_size]
 
 

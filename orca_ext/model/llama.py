@@ -92,7 +92,7 @@ class Llama(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[len(indices), vocab]`` of the packed rows ``indices``."""
-        return self.lm_head(self.norm(hidden.index_select(0, indices))).float()
+        return self.lm_head(hidden.index_select(0, indices), norm=self.norm).float()
 
 
 def hf_weight_map(config: ModelConfig) -> dict[str, HFWeight]:
