@@ -58,7 +58,7 @@ void skinny_rows(const float* x, const scalar_t* w, int64_t K, const int64_t (&f
   // From 6 tokens each token vector is pinned too (else GCC folds its load into every stream's
   // FMA: 4x the loads): the 32 linears of orca-tiny in a row (ad hoc, alternated in one
   // process) 1.17x / 1.24x / 1.27x faster at 6 / 7 / 8 tokens; at 2-4 tokens it was slower
-  // (0.75x-0.92x: there the folded loads cost less than the extra instructions), 5 even.
+  // (0.75x-0.98x: there the folded loads cost less than the extra instructions), 5 even.
   constexpr bool kPinTokens = kT >= 6;
   constexpr int kSums = kStreams * kT;
   const int64_t k_main = K / kStep * kStep, k_vec = K / 16 * 16;
