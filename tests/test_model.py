@@ -191,6 +191,36 @@ def test_traced_runner_matches_eager(hf_model, block_size, dtype):
         assert traced.logprobs == eager.logprobs
 
 
+def test_traced_runner_sees_in_place_weight_updates(hf_model):
+    """The trace holds the live parameter tensors (not copies): a weight changed in place after
+    tracing changes the traced results exactly as the eager ones."""
+    _, folder = hf_model
+    loaded = load_model(str(folder))
+    params = SamplingParams(temperature=0.0, logprobs=3)
+    prompt = list(range(1, 12))
+    runners = [ModelRunner(loaded.model, KVCache(loaded.config, 4, 4, torch.float32),
+                           SlotAllocator(4, 4), trace=trace) for trace in (False, True)]
+
+    def prefill() -> list:
+        outputs = []
+        for runner in runners:
+            runner.allocator.allocate(0, len(prompt))
+            out = runner.execute(SchedulerOutput(0, [ScheduledRequest(0, prompt, 0, params,
+                                                                      prompt, [])]))
+            runner.allocator.free(0)
+            outputs.append((out.sampled_token_ids, out.logprobs))
+        return outputs
+
+    eager_before, traced_before = prefill()
+    assert traced_before == eager_before
+    with torch.no_grad():
+        for p in loaded.model.layers[0].parameters():
+            p.mul_(-1.5)
+    eager_after, traced_after = prefill()
+    assert eager_after != eager_before
+    assert traced_after == eager_after
+
+
 def test_runner_runs_eagerly_when_tracing_fails(caplog):
     class Untraceable(torch.nn.Module):
         def __init__(self, model: torch.nn.Module) -> None:

@@ -29,7 +29,7 @@ class GPT2Attention(Layer):
                 meta: AttentionMetadata, norm: LayerNorm) -> torch.Tensor:
         """``x + attention(norm(x))``."""
         qkv = self.qkv(x, norm=norm)
-        q, k, v = qkv.view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
+        q, k, v = qkv.unflatten(1, (3, self.num_heads, self.head_dim)).unbind(1)
         return self.out(paged_attention(q, k, v, kv_cache, meta, self.scale), residual=x)
 
 

@@ -160,4 +160,4 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = ops.ragged_attention(q, k_cache, v_cache, meta.cu_q_lens, meta.context_lens,
                                meta.block_table, scale)
-    return out.view(q.shape[0], -1)
+    return out.flatten(1)

@@ -31,7 +31,7 @@ class LlamaAttention(Layer):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 norm: RMSNorm) -> torch.Tensor:
         """``x + attention(norm(x))``."""
-        qkv = self.qkv(x, norm=norm).view(x.shape[0], -1, self.head_dim)
+        qkv = self.qkv(x, norm=norm).unflatten(1, (-1, self.head_dim))
         # Rotate q and k heads together; v heads are the last num_kv_heads.
         qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
