@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _C
 from .batch import ScheduledRequest, TokenLogprobs
 from .sampling_params import SamplingParams
 
@@ -101,8 +102,10 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         if all(p.greedy and p.logprobs is None and not _has_penalty(p) for p in params):
             # The common decode case: one argmax (each torch call here costs microseconds
-            # once a step's weight stream has evicted the caches).
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(params))
+            # once a step's weight stream has evicted the caches), on the CPU a plain C++ loop.
+            on_cpu = logits.device.type == "cpu" and logits.dtype == torch.float32
+            tokens = _C.argmax_rows(logits) if on_cpu else logits.argmax(dim=-1).tolist()
+            return SamplerOutput(tokens, [None] * len(params))
         scores = logits.float()
         if any(_has_penalty(p) for p in params):
             scores = apply_penalties(scores, requests)

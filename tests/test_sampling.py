@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from orca_ext import _C
 from orca_ext.batch import ScheduledRequest
 from orca_ext.sampling import Sampler, apply_penalties, filter_logits
 from orca_ext.sampling_params import SamplingParams
@@ -40,6 +41,33 @@ def test_all_greedy_batch_is_exact_argmax(extra):
     out = Sampler()(logits, [request(i, temperature=0.0, **extra) for i in range(8)])
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert (out.logprobs[0] is None) == ("logprobs" not in extra)
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (1, 257), (4, 257), (33, 1000), (3, 50304)])
+def test_argmax_rows_matches_torch_argmax(rows, vocab):
+    """The CPU greedy path's C++ argmax against torch.argmax: ties (the first wins), NaN (the
+    first NaN wins), infinities, and a non-contiguous view."""
+    gen = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=gen).round(decimals=1)  # rounding makes ties
+    cases = [logits, torch.full((rows, vocab), float("-inf")), torch.zeros(rows, vocab)]
+    special = logits.clone()
+    idx = torch.randint(0, vocab, (rows, 3), generator=gen)
+    special.scatter_(1, idx[:, :1], float("inf"))
+    special[::2].scatter_(1, idx[::2, 1:], float("nan"))
+    cases.append(special)
+    cases.append(torch.randn(vocab, rows, generator=gen).t())
+    for case in cases:
+        assert _C.argmax_rows(case) == case.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("bad,message", [
+    (torch.zeros(4), "expected float32 CPU logits"),
+    (torch.zeros(2, 3, dtype=torch.float64), "expected float32 CPU logits"),
+    (torch.zeros(2, 0), "logits have no columns"),
+])
+def test_argmax_rows_rejects_bad_logits(bad, message):
+    with pytest.raises(RuntimeError, match=message):
+        _C.argmax_rows(bad)
 
 
 def test_temperature_sampling_follows_the_distribution():

@@ -1,6 +1,8 @@
 """In-process executor: one SchedulerOutput in, one sampled token per request out."""
 from __future__ import annotations
 
+from array import array
+
 import torch
 from torch import nn
 
@@ -10,6 +12,15 @@ from ..model.layers import AttentionMetadata
 from ..sampling import Sampler
 from .graph import trace_iteration
 from .kv_cache import KVCache
+
+
+def int64_tensor(values: list[int]) -> torch.Tensor:
+    """``torch.tensor(values, dtype=torch.int64)`` through an array's buffer: for a decode
+    step's few values ~3x faster (~20 -> ~7 us, once the weight stream has evicted the caches;
+    ad hoc, 2-core CPU)."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array("q", values), dtype=torch.int64)
 
 
 class ModelRunner:
@@ -46,8 +57,7 @@ class ModelRunner:
         token_ids, num_rows, sample_rows = packed_rows(requests)
         host = (*self.allocator.build_metadata([r.request_id for r in requests],
                                                [r.num_computed for r in requests], num_rows),
-                torch.tensor(token_ids, dtype=torch.int64),
-                torch.tensor(sample_rows, dtype=torch.int64))
+                int64_tensor(token_ids), int64_tensor(sample_rows))
         # On CPU even a no-op .to() per tensor costs microseconds, once a decode step's weight
         # stream has evicted the caches.
         if self.device.type != "cpu":
