@@ -103,8 +103,8 @@ class Sampler:
         if all(p.greedy and p.logprobs is None and not _has_penalty(p) for p in params):
             # The common decode case: one argmax (each torch call here costs microseconds
             # once a step's weight stream has evicted the caches), on the CPU a plain C++ loop.
-            on_cpu = logits.device.type == "cpu" and logits.dtype == torch.float32
-            tokens = _C.argmax_rows(logits) if on_cpu else logits.argmax(dim=-1).tolist()
+            cpu_float32 = logits.device.type == "cpu" and logits.dtype == torch.float32
+            tokens = _C.argmax_rows(logits) if cpu_float32 else logits.argmax(dim=-1).tolist()
             return SamplerOutput(tokens, [None] * len(params))
         scores = logits.float()
         if any(_has_penalty(p) for p in params):
