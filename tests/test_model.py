@@ -221,6 +221,40 @@ def test_traced_runner_sees_in_place_weight_updates(hf_model):
     assert traced_after == eager_after
 
 
+@pytest.mark.parametrize("caller_flag", [True, False])
+def test_traced_iteration_runs_unoptimized_in_inference_mode(caller_flag):
+    """The trace runs in inference mode with the graph executor's optimizations off (no
+    profiling runs or passes specialized on one batch's sizes), and the caller's settings are
+    back afterwards, also when the graph raises."""
+    loaded = load_model("orca-tiny")
+    runner = ModelRunner(loaded.model, KVCache(loaded.config, 8, 4, torch.float32),
+                         SlotAllocator(8, 4))
+    traced_graph, seen = runner.traced.graph, []
+
+    def spy(*args):
+        seen.append((torch._C._get_graph_executor_optimize(), torch.is_inference_mode_enabled()))
+        if len(seen) == 2:
+            raise RuntimeError("graph failed")
+        return traced_graph(*args)
+
+    runner.traced.graph = spy
+    runner.allocator.allocate(0, 6)
+    step = SchedulerOutput(0, [ScheduledRequest(0, [1, 2, 3], 0, GREEDY, [1, 2, 3], [])])
+    saved = torch._C._get_graph_executor_optimize()
+    torch._C._set_graph_executor_optimize(caller_flag)
+    try:
+        assert len(runner.execute(step).sampled_token_ids) == 1
+        assert torch._C._get_graph_executor_optimize() is caller_flag
+        assert not torch.is_inference_mode_enabled()
+        with pytest.raises(RuntimeError, match="graph failed"):
+            runner.execute(step)
+        assert torch._C._get_graph_executor_optimize() is caller_flag
+        assert not torch.is_inference_mode_enabled()
+    finally:
+        torch._C._set_graph_executor_optimize(saved)
+    assert seen == [(False, True), (False, True)]
+
+
 def test_runner_runs_eagerly_when_tracing_fails(caplog):
     class Untraceable(torch.nn.Module):
         def __init__(self, model: torch.nn.Module) -> None:
