@@ -79,7 +79,8 @@ class TracedIteration:
         # Plain interpretation: no profiling runs or graph passes specialized on a batch's sizes.
         # The executor's flag (per thread) is set around the call directly: through
         # torch.jit.optimized_execution, a generator-based context manager, a decode step of
-        # orca-tiny took 3-48 us longer at batch 1-4 (its Python frames run on cold caches).
+        # orca-tiny took 3-48 us longer at batch 1-4 (ad hoc, 2-core CPU: its Python frames run
+        # on cold caches).
         optimize = _get_optimize()
         _set_optimize(False)
         try:

@@ -52,8 +52,8 @@ class ModelRunner:
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         # Inference mode through torch's C++ guard, which torch.inference_mode wraps: as a
-        # decorator it made a decode step of orca-tiny 7-107 us slower at batch 1-4 (its Python
-        # frames run on caches the step's weight stream has evicted).
+        # decorator it made a decode step of orca-tiny 7-107 us slower at batch 1-4 (ad hoc,
+        # 2-core CPU: its Python frames run on caches the step's weight stream has evicted).
         with _InferenceMode(True):
             return self._execute(scheduler_output)
 
