@@ -10,4 +10,10 @@ TORCH_LIBRARY(orca, m) {
         "Tensor slot_mapping) -> ()");
   m.def("ragged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_q_lens, "
         "Tensor context_lens, Tensor block_table, float scale) -> Tensor");
+  m.def("decoder_layers(Tensor x, Tensor[] norm_weights, Tensor[] norm_biases, "
+        "Tensor[] weights, Tensor[] qkv_biases, Tensor[] out_biases, Tensor[] up_biases, "
+        "Tensor[] down_biases, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
+        "Tensor cu_q_lens, Tensor context_lens, Tensor block_table, Tensor slot_mapping, "
+        "Tensor? rotary_cos, Tensor? rotary_sin, str norm, float norm_eps, str activation, "
+        "int num_heads, int num_kv_heads, float[] scales) -> Tensor");
 }

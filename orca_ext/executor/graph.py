@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..model.layers import AttentionMetadata
+from .fused import fused_forward
 from .kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -41,14 +42,16 @@ _set_optimize = torch._C._set_graph_executor_optimize
 
 def _iteration(model: nn.Module) -> Callable[..., torch.Tensor]:
     """forward + compute_logits with every input a tensor (the KV caches as a flat list, so they
-    stay inputs of the graph rather than constants)."""
+    stay inputs of the graph rather than constants); the blocks as one fused op where
+    ``fused_forward`` applies."""
+    forward = fused_forward(model) or model
 
     def run(input_ids: torch.Tensor, positions: torch.Tensor, cu_q_lens: torch.Tensor,
             context_lens: torch.Tensor, block_table: torch.Tensor, slot_mapping: torch.Tensor,
             sample_rows: torch.Tensor, caches: list[torch.Tensor]) -> torch.Tensor:
         kv_caches = [(caches[i], caches[i + 1]) for i in range(0, len(caches), 2)]
         meta = AttentionMetadata(cu_q_lens, context_lens, block_table, slot_mapping)
-        hidden = model(input_ids, positions, kv_caches, meta)
+        hidden = forward(input_ids, positions, kv_caches, meta)
         return model.compute_logits(hidden, sample_rows)
 
     return run

@@ -71,12 +71,17 @@ class GPT2(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.wte.weight
 
+    def embed_inputs(self, input_ids: torch.Tensor,
+                     positions: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The first block's input ``[T, hidden]``, and no rotary tables (learned positions)."""
+        return self.wte(input_ids) + self.wpe(positions), None
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """Packed ``input_ids``/``positions`` ``[T]`` -> hidden states ``[T, hidden]`` (before
         the final norm, which ``compute_logits`` applies to the rows it needs)."""
-        x = self.wte(input_ids) + self.wpe(positions)
+        x, _ = self.embed_inputs(input_ids, positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, kv_cache, meta)
         return x

@@ -79,13 +79,19 @@ class Llama(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
+    def embed_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor
+                     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The first block's input ``[T, hidden]`` and the rotary cos, sin
+        ``[T, 1, head_dim // 2]``."""
+        x = self.embed(input_ids)
+        return x, self.rotary(positions, x.dtype)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """Packed ``input_ids``/``positions`` ``[T]`` -> hidden states ``[T, hidden]`` (before
         the final norm, which ``compute_logits`` applies to the rows it needs)."""
-        x = self.embed(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        x, (cos, sin) = self.embed_inputs(input_ids, positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta)
         return x
