@@ -46,7 +46,8 @@ struct StackShape {
 // layers.
 StackShape check_stack(const at::Tensor& x, at::TensorList norm_weights,
                        at::TensorList norm_biases, at::TensorList weights,
-                       const std::array<at::TensorList, 4>& biases, at::TensorList k_caches, at::TensorList v_caches,
+                       const std::array<at::TensorList, 4>& biases, at::TensorList k_caches,
+                       at::TensorList v_caches,
                        const at::Tensor& cu_q_lens, const at::Tensor& context_lens,
                        const at::Tensor& block_table, const at::Tensor& slot_mapping,
                        const std::optional<at::Tensor>& rotary_cos,
