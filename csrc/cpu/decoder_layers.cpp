@@ -225,28 +225,9 @@ void linear_share(int64_t T, Activation act, const void* x, const at::Tensor& we
   if (begin >= end) return;
   const scalar_t* w = weight.data_ptr<scalar_t>();
   const scalar_t* b = bias ? bias->data_ptr<scalar_t>() : nullptr;
-  const auto run = [&]<int kT, Activation a>() {
+  dispatch_skinny(T, act, [&]<int kT, Activation a>() {
     skinny_blocks<kT, scalar_t, a>(x, w, K, N, b, residual, out, begin, end);
-  };
-  const auto by_act = [&]<int kT>() {
-    switch (act) {
-      case Activation::kNone: return run.template operator()<kT, Activation::kNone>();
-      case Activation::kGeluTanh: return run.template operator()<kT, Activation::kGeluTanh>();
-      case Activation::kRelu: return run.template operator()<kT, Activation::kRelu>();
-      case Activation::kSiluAndMul:
-        return run.template operator()<kT, Activation::kSiluAndMul>();
-    }
-  };
-  switch (T) {
-    case 1: return by_act.template operator()<1>();
-    case 2: return by_act.template operator()<2>();
-    case 3: return by_act.template operator()<3>();
-    case 4: return by_act.template operator()<4>();
-    case 5: return by_act.template operator()<5>();
-    case 6: return by_act.template operator()<6>();
-    case 7: return by_act.template operator()<7>();
-    default: return by_act.template operator()<8>();
-  }
+  });
 }
 
 template <typename scalar_t>

@@ -104,21 +104,6 @@ void lanes_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t*
   });
 }
 
-template <typename scalar_t, Activation act>
-void dispatch_skinny(const at::Tensor& x, const at::Tensor& weight, const scalar_t* bias,
-                     const scalar_t* residual, at::Tensor& out) {
-  switch (x.size(0)) {
-    case 1: return skinny_linear<1, scalar_t, act>(x, weight, bias, residual, out);
-    case 2: return skinny_linear<2, scalar_t, act>(x, weight, bias, residual, out);
-    case 3: return skinny_linear<3, scalar_t, act>(x, weight, bias, residual, out);
-    case 4: return skinny_linear<4, scalar_t, act>(x, weight, bias, residual, out);
-    case 5: return skinny_linear<5, scalar_t, act>(x, weight, bias, residual, out);
-    case 6: return skinny_linear<6, scalar_t, act>(x, weight, bias, residual, out);
-    case 7: return skinny_linear<7, scalar_t, act>(x, weight, bias, residual, out);
-    default: return skinny_linear<8, scalar_t, act>(x, weight, bias, residual, out);
-  }
-}
-
 // gelu_tanh / relu: the GEMM runs per output tile into a thread-local buffer and the epilogue
 // writes the final values while the tile is in cache.
 template <typename scalar_t, Activation act>
@@ -251,15 +236,9 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
     const scalar_t* bias_ptr = bias_in ? bias.data_ptr<scalar_t>() : nullptr;
     const scalar_t* res_ptr = residual_in ? residual.data_ptr<scalar_t>() : nullptr;
     if (T <= kSkinnyMaxT) {
-      const auto run = [&]<Activation a>() {
-        return dispatch_skinny<scalar_t, a>(x, weight, bias_ptr, res_ptr, out);
-      };
-      switch (act) {
-        case Activation::kNone: return run.template operator()<Activation::kNone>();
-        case Activation::kGeluTanh: return run.template operator()<Activation::kGeluTanh>();
-        case Activation::kRelu: return run.template operator()<Activation::kRelu>();
-        case Activation::kSiluAndMul: return run.template operator()<Activation::kSiluAndMul>();
-      }
+      return dispatch_skinny(T, act, [&]<int kT, Activation a>() {
+        skinny_linear<kT, scalar_t, a>(x, weight, bias_ptr, res_ptr, out);
+      });
     }
     if constexpr (std::is_same_v<scalar_t, float> || kBf16Dot<scalar_t>) {
       if (lanes) {

@@ -144,6 +144,29 @@ void skinny_blocks(const void* x_ptr, const scalar_t* w, int64_t K, int64_t N,
   }
 }
 
+// f.template operator()<kT, a>() for T tokens (1 to kSkinnyMaxT) and the activation act.
+template <typename F>
+void dispatch_skinny(int64_t T, Activation act, const F& f) {
+  const auto by_act = [&]<int kT>() {
+    switch (act) {
+      case Activation::kNone: return f.template operator()<kT, Activation::kNone>();
+      case Activation::kGeluTanh: return f.template operator()<kT, Activation::kGeluTanh>();
+      case Activation::kRelu: return f.template operator()<kT, Activation::kRelu>();
+      case Activation::kSiluAndMul: return f.template operator()<kT, Activation::kSiluAndMul>();
+    }
+  };
+  switch (T) {
+    case 1: return by_act.template operator()<1>();
+    case 2: return by_act.template operator()<2>();
+    case 3: return by_act.template operator()<3>();
+    case 4: return by_act.template operator()<4>();
+    case 5: return by_act.template operator()<5>();
+    case 6: return by_act.template operator()<6>();
+    case 7: return by_act.template operator()<7>();
+    default: return by_act.template operator()<8>();
+  }
+}
+
 // The fewest blocks worth a thread of their own, for weights of K columns.
 inline int64_t skinny_grain(int64_t K, Activation act) {
   return ceil_div(kMinParallelWeights, kSkinnyBlock * K * (act == Activation::kSiluAndMul ? 2 : 1));
