@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from contextlib import ExitStack
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..model.builtin import init_random_weights
 from ..model.config import ModelConfig
-from ..model.loader import ModelInfo, build_model
-from ..model.weights import safetensors_index
+from ..model.loader import ModelInfo, build_model, open_checkpoint
 from .tensor_parallel import (ShardRanges, param_split, shard_ranges, shard_tensor, take_shard,
                               tp_plan)
 
@@ -57,7 +54,7 @@ def load_shards(model: nn.Module, info: ModelInfo, keep: Callable[[str], bool], 
     def ranges(name: str) -> ShardRanges:
         return shard_ranges(param_split(plan, name), tuple(params[name].shape), rank, tp)
 
-    if info.folder is None:
+    if info.checkpoint is None:
         shards = _random_shards(model, wanted, plan, rank, tp)
     else:
         shards = _checkpoint_shards(info, params, wanted, ranges)
@@ -107,43 +104,24 @@ def _random_shards(model: nn.Module, wanted: dict[str, list[str]], plan: dict, r
 def _checkpoint_shards(info: ModelInfo, params: dict[str, nn.Parameter],
                        wanted: dict[str, list[str]],
                        ranges: Callable[[str], ShardRanges]) -> dict[str, torch.Tensor]:
-    config, folder = info.config, info.folder
+    config = info.config
     family = importlib.import_module(f"orca_ext.model.{config.family}")
     weight_map = family.hf_weight_map(config)
-    files = {family.canonical_hf_name(name): (name, path)
-             for name, path in safetensors_index(folder).items()}
-    needed = [n for w in weight_map.values() for n in w.names]
-    missing = [n for n in needed if n not in files]
-    if missing:
-        raise ValueError(f"{folder}: checkpoint lacks tensors that {config.architecture} needs: "
-                         f"{', '.join(missing[:8])}")
-    unexpected = [n for n in sorted(set(files) - set(needed))
-                  if not family.IGNORED_HF_WEIGHTS.search(n) and n != "lm_head.weight"]
-    if unexpected:
-        raise ValueError(f"{folder}: checkpoint has tensors that {config.architecture} with this "
-                         f"config.json does not use: {', '.join(unexpected[:8])}")
     shards = {}
-    with ExitStack() as stack:
-        handles: dict[Any, Any] = {}
-
-        def part_slice(hf_name: str) -> Any:
-            stored, path = files[hf_name]
-            if path not in handles:
-                handles[path] = stack.enter_context(safe_open(path, framework="pt"))
-            return handles[path].get_slice(stored)
-
+    with open_checkpoint(info) as checkpoint:
+        checkpoint.check_names(weight_map, config.architecture, family.IGNORED_HF_WEIGHTS)
         for name in wanted:
             spec, shape = weight_map[name], tuple(params[name].shape)
             parts, offset = [], 0
             for hf_name, rows in zip(spec.names, spec.sizes or (shape[0],)):
-                piece = part_slice(hf_name)
+                piece = checkpoint.get_slice(hf_name)
                 expected = (rows, *shape[1:])
                 if spec.transpose:
                     expected = expected[::-1]
                 if tuple(piece.get_shape()) != expected:
-                    raise ValueError(f"{folder}: tensor {hf_name!r} has shape "
-                                     f"{tuple(piece.get_shape())}, expected {expected} from "
-                                     "config.json")
+                    raise ValueError(f"{checkpoint.source}: tensor {hf_name!r} has shape "
+                                     f"{tuple(piece.get_shape())}, expected {expected} from the "
+                                     "config")
                 parts.append((offset, rows, piece))
                 offset += rows
             shards[name] = take_shard(_part_reader(parts, spec.transpose, shape), ranges(name))

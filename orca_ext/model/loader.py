@@ -1,9 +1,10 @@
-"""Loading a model by built-in name or from a Hugging Face model folder (never the network),
-and saving one back as a folder that ``transformers`` can load."""
+"""Loading a model by built-in name, from a Hugging Face model folder or from a GGUF file (never
+the network), and saving one back as a folder that ``transformers`` can load."""
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,12 +15,15 @@ from torch import nn
 
 from . import gpt2, llama
 from .arena import allocate_in_arena
-from .builtin import BUILTIN_MODELS, builtin_tokenizer, init_random_weights
+from .builtin import (BUILTIN_GGUF_MODELS, BUILTIN_MODELS, builtin_gguf_path, builtin_tokenizer,
+                      init_random_weights)
 from .config import ModelConfig
+from .gguf import GGUFCheckpoint, GGUFFile, gguf_tokenizer, hf_config
 from .tokenizer import Tokenizer
-from .weights import load_hf_weights, save_hf_weights
+from .weights import Checkpoint, SafetensorsCheckpoint, load_hf_weights, save_hf_weights
 
 _FAMILIES = {"gpt2": (gpt2, gpt2.GPT2), "llama": (llama, llama.Llama)}
+_log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -41,12 +45,36 @@ class LoadedModel:
         return self.model.lm_head.weight.device
 
 
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str = "cpu") -> torch.dtype:
+    """A dtype or its name; ``"auto"`` is bfloat16 on a GPU and on a CPU with native bfloat16
+    matrix instructions (AMX or AVX512-BF16, which oneDNN runs torch's bfloat16 GEMMs on), float32
+    on other CPUs."""
+    if dtype == "auto":
+        return auto_dtype(device)
     if isinstance(dtype, str) and dtype in DTYPES:
         return DTYPES[dtype]
     if dtype in DTYPES.values():
         return dtype
-    raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    raise ValueError(f"unsupported dtype {dtype!r}; supported: auto, {', '.join(DTYPES)}")
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has AMX-BF16 or AVX512-BF16 (read from /proc/cpuinfo on Linux)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def auto_dtype(device: torch.device | str = "cpu") -> torch.dtype:
+    if torch.device(device).type != "cpu":
+        return torch.bfloat16
+    dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    _log.info("dtype auto: %s (%s)", str(dtype).removeprefix("torch."),
+              "the CPU has native bfloat16 matrix instructions" if dtype == torch.bfloat16
+              else "the CPU has no AMX-BF16 or AVX512-BF16")
+    return dtype
 
 
 @contextlib.contextmanager
@@ -78,23 +106,51 @@ class ModelInfo:
     eos_token_ids: list[int]
     max_model_len: int
     chat_template: str | None = None
-    folder: Path | None = None  # the Hugging Face folder; None for a built-in model
+    folder: Path | None = None  # a Hugging Face folder's safetensors checkpoint
+    gguf: GGUFFile | None = None  # or a GGUF file's; neither for orca-tiny's random weights
+
+    @property
+    def checkpoint(self) -> Path | None:
+        """Where the weights come from; None for a built-in random model."""
+        return self.gguf.path if self.gguf is not None else self.folder
+
+
+def resolve_model_path(name_or_path: str) -> str | Path:
+    """A built-in name as is, a built-in GGUF name as its installed file, a folder holding
+    exactly one ``.gguf`` (and no config.json) as that file, anything else as a path."""
+    if name_or_path in BUILTIN_MODELS:
+        return name_or_path
+    if name_or_path in BUILTIN_GGUF_MODELS:
+        return builtin_gguf_path(name_or_path)
+    path = Path(name_or_path)
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        if len(ggufs) > 1:
+            raise ValueError(f"{path} holds {len(ggufs)} .gguf files "
+                             f"({', '.join(g.name for g in ggufs)}); name one of them")
+    return path
 
 
 def load_model_info(name_or_path: str) -> ModelInfo:
-    """Config, tokenizer, stop ids and chat template of a built-in name or a model folder,
-    without reading any weights."""
-    if name_or_path in BUILTIN_MODELS:
-        config = ModelConfig.from_hf(BUILTIN_MODELS[name_or_path])
+    """Config, tokenizer, stop ids and chat template of a built-in name, a model folder or a GGUF
+    file, without reading any weights."""
+    resolved = resolve_model_path(name_or_path)
+    if isinstance(resolved, str):
+        config = ModelConfig.from_hf(BUILTIN_MODELS[resolved])
         return ModelInfo(config, builtin_tokenizer(), list(config.eos_token_ids),
                          config.max_model_len)
-    folder = Path(name_or_path)
+    if resolved.suffix == ".gguf" or resolved.is_file():
+        return _gguf_info(GGUFFile(resolved))
+    folder = resolved
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder {str(folder)!r} does not exist (built-in models: "
-                                f"{', '.join(BUILTIN_MODELS)}; models are never downloaded)")
+                                f"{', '.join([*BUILTIN_MODELS, *BUILTIN_GGUF_MODELS])}; models "
+                                "are never downloaded)")
     config_file = folder / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"{folder} has no config.json")
+        raise FileNotFoundError(f"{folder} has no config.json (and no .gguf file)")
     config = ModelConfig.from_hf(_read_json(config_file))
     tokenizer = Tokenizer.from_file(folder / "tokenizer.json")
     generation = folder / "generation_config.json"
@@ -106,20 +162,48 @@ def load_model_info(name_or_path: str) -> ModelInfo:
     return ModelInfo(config, tokenizer, eos, config.max_model_len, _chat_template(folder), folder)
 
 
+def _gguf_info(file: GGUFFile) -> ModelInfo:
+    try:
+        config = ModelConfig.from_hf(hf_config(file))
+    except ValueError as e:
+        raise ValueError(f"{file.path}: {e}") from None
+    tokenizer = gguf_tokenizer(file)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"{file.path}: the tokenizer has {tokenizer.vocab_size} tokens, more "
+                         f"than the model's vocab_size {config.vocab_size}")
+    # End-of-turn tokens (llama.cpp's eot / eom) stop generation as the end-of-sequence one does.
+    eos = [int(file.value(f"tokenizer.ggml.{key}_token_id"))
+           for key in ("eos", "eot", "eom") if file.value(f"tokenizer.ggml.{key}_token_id")
+           is not None]
+    return ModelInfo(config, tokenizer, list(dict.fromkeys(eos)), config.max_model_len,
+                     file.value("tokenizer.chat_template"), gguf=file)
+
+
+def open_checkpoint(info: ModelInfo) -> Checkpoint:
+    """The weights of a model folder or GGUF file as a ``Checkpoint``."""
+    if info.gguf is not None:
+        return GGUFCheckpoint(info.gguf)
+    if info.folder is None:
+        raise ValueError("a built-in random model has no checkpoint")
+    family, _ = _FAMILIES[info.config.family]
+    return SafetensorsCheckpoint(info.folder, family.canonical_hf_name)
+
+
 def load_model(name_or_path: str, dtype: torch.dtype | str = "float32",
                device: torch.device | str = "cpu") -> LoadedModel:
-    """Load the built-in ``orca-tiny`` or a Hugging Face model folder (config.json, *.safetensors
-    or a sharded index, tokenizer.json, optional generation_config.json)."""
-    dtype = resolve_dtype(dtype)
+    """Load a built-in model (``orca-tiny``, ``smollm2-135m-instruct``), a Hugging Face model
+    folder (config.json, *.safetensors or a sharded index, tokenizer.json, optional
+    generation_config.json) or a GGUF file (or a folder holding exactly one)."""
+    dtype = resolve_dtype(dtype, device)
     info = load_model_info(name_or_path)
     config = info.config
     model = build_model(config, dtype, device)
-    if info.folder is None:
+    if info.checkpoint is None:
         init_random_weights(model)
     else:
         family, _ = _FAMILIES[config.family]
-        load_hf_weights(model, family.hf_weight_map(config), info.folder,
-                        family.canonical_hf_name, family.IGNORED_HF_WEIGHTS)
+        load_hf_weights(model, family.hf_weight_map(config), open_checkpoint(info),
+                        family.IGNORED_HF_WEIGHTS)
     return LoadedModel(model, config, info.tokenizer, info.eos_token_ids, info.max_model_len,
                        info.chat_template)
 

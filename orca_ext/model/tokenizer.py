@@ -40,7 +40,7 @@ class Tokenizer:
         self.inner.save(str(path))
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (what ByteLevel pre-tokenizes to)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
                  *range(ord("®"), ord("ÿ") + 1)]
@@ -52,7 +52,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def byte_level_tokenizer(special_tokens: list[str]) -> Tokenizer:
     """One token per UTF-8 byte (id == byte value), then ``special_tokens`` from id 256."""
-    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
     inner = _HFTokenizer(models.BPE(vocab=vocab, merges=[]))
     inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     inner.decoder = decoders.ByteLevel()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -52,41 +53,95 @@ def safetensors_index(folder: Path) -> dict[str, Path]:
     return files
 
 
-def load_hf_weights(model: nn.Module, weight_map: dict[str, HFWeight], folder: Path,
-                    canonical_name: Callable[[str], str], ignored: re.Pattern[str]) -> None:
-    """Fill ``model``'s parameters from the checkpoint in ``folder``; every parameter must be
-    found with the right shape, and every checkpoint tensor used (or knowingly ignored)."""
-    files = {canonical_name(name): (name, path)
-             for name, path in safetensors_index(folder).items()}
+class Checkpoint(ABC):
+    """Tensors under their (canonical) Hugging Face names, in Hugging Face layout, read on
+    demand: a safetensors folder or a GGUF file."""
+
+    source: str  # the folder or file, for messages
+
+    @abstractmethod
+    def names(self) -> list[str]: ...
+
+    @abstractmethod
+    def get_slice(self, name: str) -> Any:
+        """A lazy view with ``get_shape()`` and ``[a:b]`` / ``[:, a:b]`` indexing that reads
+        only what it returns where the format allows."""
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.get_slice(name)[:]
+
+    def close(self) -> None:
+        """Release open files (a checkpoint may be used again after; it reopens them)."""
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def check_names(self, weight_map: dict[str, HFWeight], architecture: str,
+                    ignored: re.Pattern[str]) -> None:
+        """Every tensor the map needs is here, and every tensor here is used (or knowingly
+        ignored); a ValueError naming them otherwise."""
+        present = set(self.names())
+        wanted = [n for w in weight_map.values() for n in w.names]
+        missing = [n for n in wanted if n not in present]
+        if missing:
+            raise ValueError(f"{self.source}: checkpoint lacks tensors that {architecture} "
+                             f"needs: {_listed(missing)}")
+        # A checkpoint may store a tied lm_head (a copy of the embedding) anyway.
+        unexpected = [n for n in sorted(present - set(wanted))
+                      if not ignored.search(n) and n != "lm_head.weight"]
+        if unexpected:
+            raise ValueError(f"{self.source}: checkpoint has tensors that {architecture} with "
+                             f"this config does not use: {_listed(unexpected)}")
+
+
+class SafetensorsCheckpoint(Checkpoint):
+    """A Hugging Face folder's ``*.safetensors`` (single or sharded), names passed through the
+    family's ``canonical_name``."""
+
+    def __init__(self, folder: Path, canonical_name: Callable[[str], str]) -> None:
+        self.source = str(folder)
+        self._files = {canonical_name(name): (name, path)
+                       for name, path in safetensors_index(folder).items()}
+        self._handles: dict[Path, Any] = {}
+
+    def names(self) -> list[str]:
+        return list(self._files)
+
+    def get_slice(self, name: str) -> Any:
+        stored_name, path = self._files[name]
+        if path not in self._handles:
+            self._handles[path] = safe_open(path, framework="pt")
+        return self._handles[path].get_slice(stored_name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def load_hf_weights(model: nn.Module, weight_map: dict[str, HFWeight], checkpoint: Checkpoint,
+                    ignored: re.Pattern[str]) -> None:
+    """Fill ``model``'s parameters from ``checkpoint``; every parameter must be found with the
+    right shape, and every checkpoint tensor used (or knowingly ignored)."""
+    checkpoint.check_names(weight_map, model.config.architecture, ignored)
     params = dict(model.named_parameters())
-    wanted = [n for w in weight_map.values() for n in w.names]
-    missing = [n for n in wanted if n not in files]
-    if missing:
-        raise ValueError(f"{folder}: checkpoint lacks tensors that "
-                         f"{model.config.architecture} needs: {_listed(missing)}")
-    unused = sorted(set(files) - set(wanted))
-    # A checkpoint may store a tied lm_head (a copy of the embedding) anyway.
-    unexpected = [n for n in unused if not ignored.search(n) and n != "lm_head.weight"]
-    if unexpected:
-        raise ValueError(f"{folder}: checkpoint has tensors that {model.config.architecture} "
-                         f"with this config.json does not use: {_listed(unexpected)}")
-    handles: dict[Path, Any] = {}
-    for our_name, spec in weight_map.items():
-        param = params[our_name]
-        parts = []
-        for name, rows in zip(spec.names, spec.sizes or (param.shape[0],)):
-            stored_name, path = files[name]
-            if path not in handles:
-                handles[path] = safe_open(path, framework="pt")
-            tensor = handles[path].get_tensor(stored_name)
-            expected = (rows, *param.shape[1:])
-            if spec.transpose:
-                expected = expected[::-1]
-            if tuple(tensor.shape) != expected:
-                raise ValueError(f"{folder}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {expected} from config.json")
-            parts.append(tensor.t() if spec.transpose else tensor)
-        param.copy_(torch.cat(parts) if len(parts) > 1 else parts[0])
+    with checkpoint:
+        for our_name, spec in weight_map.items():
+            param = params[our_name]
+            parts = []
+            for name, rows in zip(spec.names, spec.sizes or (param.shape[0],)):
+                piece = checkpoint.get_slice(name)
+                expected = (rows, *param.shape[1:])
+                if spec.transpose:
+                    expected = expected[::-1]
+                if tuple(piece.get_shape()) != expected:
+                    raise ValueError(f"{checkpoint.source}: tensor {name!r} has shape "
+                                     f"{tuple(piece.get_shape())}, expected {expected} from the "
+                                     "config")
+                tensor = piece[:]
+                parts.append(tensor.t() if spec.transpose else tensor)
+            param.copy_(torch.cat(parts) if len(parts) > 1 else parts[0])
 
 
 def save_hf_weights(model: nn.Module, weight_map: dict[str, HFWeight], file: Path) -> None:

@@ -1,0 +1,372 @@
+"""GGUF files (llama.cpp's format), read with llama.cpp's own ``gguf`` package.
+
+A file carries the model's config as metadata, its tokenizer (vocabulary, merges, special
+tokens, chat template) and its tensors under llama.cpp's names, often in a block-quantized format.
+``GGUFFile`` checks the file once; ``hf_config`` turns its metadata into the Hugging Face
+``config.json`` keys ``ModelConfig.from_hf`` reads; ``GGUFCheckpoint`` presents its tensors under
+Hugging Face names and layout, dequantized on demand (``raw`` keeps the stored blocks for a
+quantized path); ``gguf_tokenizer`` rebuilds the tokenizer as a ``tokenizers.Tokenizer``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _HFTokenizer
+
+from .tokenizer import Tokenizer, bytes_to_unicode
+from .weights import Checkpoint
+
+# General llama.cpp architecture -> Hugging Face architecture (Mistral files say "llama").
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "gpt2": "GPT2LMHeadModel"}
+
+_BLOCK_NAMES = {
+    "llama": {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+              "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"},
+    "gpt2": {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
+             "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
+}
+_GLOBAL_NAMES = {
+    "llama": {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+              "output": "lm_head"},
+    "gpt2": {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
+             "output_norm": "transformer.ln_f", "output": "lm_head"},
+}
+_BLOCK_PREFIX = {"llama": "model.layers.", "gpt2": "transformer.h."}
+# GPT-2's Conv1D weights are [in, out] in Hugging Face checkpoints; llama.cpp stores [out, in].
+_CONV1D_PARTS = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
+
+# Text splits before byte-level BPE, by ``tokenizer.ggml.pre`` (llama.cpp's pre-tokenizer
+# names): the regexes llama.cpp's llama-vocab.cpp applies, in order.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
+    "default": (_GPT2_SPLIT,), "gpt2": (_GPT2_SPLIT,), "gpt-2": (_GPT2_SPLIT,),
+    "smollm": (r"\p{N}", _GPT2_SPLIT), "starcoder": (r"\p{N}", _GPT2_SPLIT),
+    "refact": (r"\p{N}", _GPT2_SPLIT), "codeshell": (r"\p{N}", _GPT2_SPLIT),
+    "llama3": (_LLAMA3_SPLIT,), "llama-v3": (_LLAMA3_SPLIT,), "llama-bpe": (_LLAMA3_SPLIT,),
+    "smaug-bpe": (_LLAMA3_SPLIT,), "dbrx": (_LLAMA3_SPLIT,), "falcon3": (_LLAMA3_SPLIT,),
+    "qwen2": (_QWEN2_SPLIT,), "deepseek-r1-qwen": (_QWEN2_SPLIT,),
+}
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
+
+
+def _tensor_types() -> dict[str, Any]:
+    from gguf import GGMLQuantizationType as Q
+
+    return {t.name: t for t in (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
+                                Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)}
+
+
+class GGUFFile:
+    """A GGUF file, checked when opened: readable, every tensor of a type that loads and with
+    the bytes its shape needs. ``metadata`` maps keys to Python values."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ValueError(f"GGUF file {str(self.path)!r} does not exist")
+        try:
+            from gguf import GGML_QUANT_SIZES, GGUFReader
+        except ImportError:
+            raise ValueError(f"{self.path}: reading GGUF files needs the 'gguf' package "
+                             "(pip install gguf)") from None
+        try:
+            reader = GGUFReader(self.path)
+        except Exception as e:  # the reader raises whatever its parser hits on a bad file
+            raise ValueError(f"{self.path}: not a readable GGUF file "
+                             f"({type(e).__name__}: {e})") from None
+        self.metadata: dict[str, Any] = {}
+        for key, field in reader.fields.items():
+            try:
+                self.metadata[key] = field.contents()
+            except Exception as e:
+                raise ValueError(f"{self.path}: metadata {key!r} does not decode ({e})") from None
+        loadable = _tensor_types()
+        self.tensors = {}
+        for tensor in reader.tensors:
+            kind = tensor.tensor_type.name
+            if kind not in loadable:
+                raise ValueError(f"{self.path}: tensor {tensor.name!r} has type {kind}, which "
+                                 f"does not load; supported: {', '.join(loadable)}")
+            block, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
+            expected = int(tensor.n_elements) // block * block_bytes
+            if int(tensor.n_elements) % block or tensor.data.nbytes != expected:
+                raise ValueError(f"{self.path}: tensor {tensor.name!r} ({kind}, "
+                                 f"{tensor.n_elements} elements) has {tensor.data.nbytes} bytes "
+                                 f"of data, expected {expected}: the file is truncated or "
+                                 "damaged")
+            self.tensors[tensor.name] = tensor
+        self.architecture = self.metadata.get("general.architecture")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"{self.path}: unsupported architecture {self.architecture!r}; "
+                             f"supported: {', '.join(ARCHITECTURES)}")
+
+    def value(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def arch_value(self, key: str, default: Any = None) -> Any:
+        """``{architecture}.{key}``, e.g. ``llama.block_count``."""
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    def require(self, key: str) -> Any:
+        full = f"{self.architecture}.{key}"
+        if full not in self.metadata:
+            raise ValueError(f"{self.path}: metadata lacks {full!r}")
+        return self.metadata[full]
+
+    @property
+    def family(self) -> str:
+        return "gpt2" if self.architecture == "gpt2" else "llama"
+
+
+def hf_config(file: GGUFFile) -> dict[str, Any]:
+    """The file's metadata as Hugging Face ``config.json`` keys."""
+    tokens = file.value("tokenizer.ggml.tokens") or []
+    embed = file.tensors.get("token_embd.weight")
+    vocab = file.arch_value("vocab_size") or len(tokens) or (
+        int(embed.shape[-1]) if embed is not None else None)
+    if not vocab:
+        raise ValueError(f"{file.path}: no vocab_size, tokenizer tokens or token_embd.weight")
+    common = {"architectures": [ARCHITECTURES[file.architecture]], "vocab_size": int(vocab),
+              "tie_word_embeddings": "output.weight" not in file.tensors,
+              "bos_token_id": file.value("tokenizer.ggml.bos_token_id"),
+              "eos_token_id": file.value("tokenizer.ggml.eos_token_id")}
+    heads = int(file.require("attention.head_count"))
+    hidden = int(file.require("embedding_length"))
+    if file.architecture == "gpt2":
+        return {**common, "model_type": "gpt2", "n_embd": hidden,
+                "n_layer": int(file.require("block_count")), "n_head": heads,
+                "n_positions": int(file.require("context_length")),
+                "n_inner": int(file.arch_value("feed_forward_length", 4 * hidden)),
+                "layer_norm_epsilon": float(file.arch_value("attention.layer_norm_epsilon",
+                                                            1e-5)),
+                "activation_function": "gelu_new"}
+    head_dim = int(file.arch_value("attention.key_length", hidden // heads))
+    rope_dim = int(file.arch_value("rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(f"{file.path}: rotary over {rope_dim} of {head_dim} head dimensions "
+                         "(partial rotary) is not supported")
+    if "rope_freqs.weight" in file.tensors:
+        raise ValueError(f"{file.path}: per-frequency rope factors (rope_freqs.weight, Llama "
+                         "3.1 rope scaling) are not supported")
+    config = {**common, "model_type": file.architecture, "hidden_size": hidden,
+              "num_hidden_layers": int(file.require("block_count")),
+              "num_attention_heads": heads,
+              "num_key_value_heads": int(file.arch_value("attention.head_count_kv", heads)),
+              "head_dim": head_dim,
+              "intermediate_size": int(file.require("feed_forward_length")),
+              "max_position_embeddings": int(file.require("context_length")),
+              "rms_norm_eps": float(file.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
+              "rope_theta": float(file.arch_value("rope.freq_base", 10000.0)),
+              "hidden_act": "silu"}
+    scaling = file.arch_value("rope.scaling.type", "none")
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear",
+                                  "factor": float(file.require("rope.scaling.factor"))}
+    elif scaling != "none":
+        raise ValueError(f"{file.path}: unsupported rope scaling {scaling!r}; supported: "
+                         "'none', 'linear'")
+    return config
+
+
+def _unpermute_rotary(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's converter, which interleaves each head's two rotary halves row by row."""
+    shape = rows.shape
+    return rows.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]) \
+        .transpose(1, 2).reshape(shape)
+
+
+@dataclass(frozen=True)
+class _Dequantized:
+    """One GGUF tensor as the Hugging Face tensor it stands for, dequantized when indexed."""
+
+    file: GGUFFile
+    gguf_name: str
+    transpose: bool
+    rotary_heads: int | None
+
+    def get_shape(self) -> tuple[int, ...]:
+        shape = tuple(int(n) for n in reversed(self.file.tensors[self.gguf_name].shape))
+        return shape[::-1] if self.transpose else shape
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        tensor = self.file.tensors[self.gguf_name]
+        values = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type),
+                                      dtype=np.float32)
+        if not values.flags.writeable:  # F32 data comes as a read-only view of the file
+            values = values.copy()
+        values = torch.from_numpy(values)
+        values = values.reshape(tuple(int(n) for n in reversed(tensor.shape)))
+        if self.rotary_heads is not None:
+            values = _unpermute_rotary(values, self.rotary_heads)
+        return (values.t() if self.transpose else values)[index]
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A GGUF file's tensors under Hugging Face names, in Hugging Face layout (Q and K rows back
+    in rotate-half order, GPT-2's Conv1D weights [in, out]), dequantized to float32 on demand."""
+
+    def __init__(self, file: GGUFFile) -> None:
+        self.file, self.source = file, str(file.path)
+        family = file.family
+        heads = int(file.arch_value("attention.head_count", 0))
+        rotary_heads = {"attn_q": heads,
+                        "attn_k": int(file.arch_value("attention.head_count_kv", heads))}
+        self._tensors: dict[str, _Dequantized] = {}
+        for name in file.tensors:
+            base, _, kind = name.rpartition(".")
+            parts = base.split(".")
+            if parts[0] == "blk" and len(parts) == 3 and parts[2] in _BLOCK_NAMES[family]:
+                hf = f"{_BLOCK_PREFIX[family]}{parts[1]}.{_BLOCK_NAMES[family][parts[2]]}.{kind}"
+                part = parts[2]
+            elif base in _GLOBAL_NAMES[family]:
+                hf, part = f"{_GLOBAL_NAMES[family][base]}.{kind}", base
+            else:
+                hf, part = name, None  # reported as unused by check_names
+            transpose = family == "gpt2" and part in _CONV1D_PARTS and kind == "weight"
+            # Only the llama converter permutes (Qwen2's keeps Hugging Face's row order).
+            permuted = file.architecture == "llama" and part in rotary_heads
+            self._tensors[hf] = _Dequantized(file, name, transpose,
+                                             rotary_heads[part] if permuted else None)
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def get_slice(self, name: str) -> _Dequantized:
+        return self._tensors[name]
+
+    def raw(self, name: str) -> Any:
+        """The stored tensor (``gguf.ReaderTensor``: type, shape, block bytes) behind ``name``."""
+        return self.file.tensors[self._tensors[name].gguf_name]
+
+
+def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
+    """The tokenizer the file's metadata describes: byte-level BPE (``gpt2``) with the
+    pre-tokenizer ``tokenizer.ggml.pre`` names, or SentencePiece BPE (``llama``)."""
+    kind = file.value("tokenizer.ggml.model")
+    tokens = file.value("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ValueError(f"{file.path}: the file has no tokenizer (tokenizer.ggml.tokens)")
+    types = file.value("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if kind == "gpt2":
+        inner, specials = _byte_level_bpe(file, tokens, types)
+        add_bos = bool(file.value("tokenizer.ggml.add_bos_token", False))
+    elif kind == "llama":
+        inner, specials = _sentencepiece_bpe(file, tokens, types)
+        add_bos = bool(file.value("tokenizer.ggml.add_bos_token", True))
+    else:
+        raise ValueError(f"{file.path}: unsupported tokenizer model {kind!r}; supported: "
+                         "'gpt2' (byte-level BPE), 'llama' (SentencePiece)")
+    inner.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                              for t in specials[_CONTROL]])
+    inner.add_tokens([AddedToken(t, special=False, normalized=False)
+                      for t in specials[_USER_DEFINED]])
+    template = []
+    for flag, key in ((add_bos, "bos"), (bool(file.value("tokenizer.ggml.add_eos_token", False)),
+                                         "eos")):
+        token_id = file.value(f"tokenizer.ggml.{key}_token_id")
+        if flag and token_id is not None:
+            template.append((key, inner.id_to_token(int(token_id)), int(token_id)))
+    if template:
+        head = [f"{t}" for k, t, _ in template if k == "bos"]
+        tail = [f"{t}" for k, t, _ in template if k == "eos"]
+        inner.post_processor = processors.TemplateProcessing(
+            single=" ".join([*head, "$A", *tail]),
+            pair=" ".join([*head, "$A", *tail, *head, "$B", *tail]),
+            special_tokens=[(t, i) for _, t, i in template])
+    return Tokenizer(inner)
+
+
+def _merges(file: GGUFFile) -> list[tuple[str, str]] | None:
+    merges = file.value("tokenizer.ggml.merges")
+    if merges is None:
+        return None
+    pairs = []
+    for merge in merges:
+        left, sep, right = merge.partition(" ")
+        if not sep:
+            raise ValueError(f"{file.path}: tokenizer merge {merge!r} is not two tokens")
+        pairs.append((left, right))
+    return pairs
+
+
+def _byte_level_bpe(file: GGUFFile, tokens: list[str], types: list[int]
+                    ) -> tuple[_HFTokenizer, dict[int, list[str]]]:
+    pre = file.value("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZER_SPLITS:
+        raise ValueError(f"{file.path}: unsupported pre-tokenizer {pre!r}; supported: "
+                         f"{', '.join(PRE_TOKENIZER_SPLITS)}")
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    # A token the file spells outside the byte alphabet is respelled byte by byte, as the
+    # merges spell it.
+    spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode())
+               for t in tokens]
+    merges = _merges(file)
+    if merges is None:
+        raise ValueError(f"{file.path}: a byte-level BPE tokenizer needs tokenizer.ggml.merges")
+    inner = _HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(spelled)}, merges=merges))
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated")
+              for r in PRE_TOKENIZER_SPLITS[pre]]
+    inner.pre_tokenizer = pre_tokenizers.Sequence(
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    inner.decoder = decoders.ByteLevel()
+    # A control token spelled outside the byte alphabet is a mislabel in the file: not special.
+    specials = {
+        _CONTROL: [t for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet],
+        _USER_DEFINED: [t for t, k in zip(spelled, types) if k == _USER_DEFINED],
+    }
+    return inner, specials
+
+
+def _sentencepiece_bpe(file: GGUFFile, tokens: list[str], types: list[int]
+                       ) -> tuple[_HFTokenizer, dict[int, list[str]]]:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = _merges(file)
+    if merges is None:
+        scores = file.value("tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            raise ValueError(f"{file.path}: a SentencePiece tokenizer needs "
+                             "tokenizer.ggml.merges or one score per token")
+        merges = merges_from_scores(tokens, scores)
+    unk = file.value("tokenizer.ggml.unknown_token_id")
+    inner = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
+                                    unk_token=tokens[int(unk)] if unk is not None else None))
+    prefix = bool(file.value("tokenizer.ggml.add_space_prefix", True))
+    inner.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    inner.decoder = decoders.Sequence(steps)
+    specials = {kind: [t for t, k in zip(tokens, types) if k == kind]
+                for kind in (_CONTROL, _USER_DEFINED)}
+    return inner, specials
+
+
+def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """SentencePiece BPE's merges, implied by its vocabulary: every split of a token into two
+    tokens, the best-scored merged token first (ties: the longer left piece first)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked = []
+    for token, score in zip(tokens, scores):
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab]
+        pairs.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
+        ranked.extend((score, left, right) for left, right in pairs)
+    ranked.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
+    return [(left, right) for _, left, right in ranked]
