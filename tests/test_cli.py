@@ -11,7 +11,8 @@ from orca_ext.sampling_params import SamplingParams
 
 
 def test_generate_prints_the_llm_api_outputs(capsys):
-    assert main(["--prompt", "hello", "--prompt", "ab", "--max-tokens", "5", "--json"]) == 0
+    assert main(["--model", "orca-tiny", "--prompt", "hello", "--prompt", "ab", "--max-tokens",
+                 "5", "--json"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     greedy = SamplingParams(max_tokens=5, temperature=0)
     expected = LLM("orca-tiny").generate(["hello", "ab"], greedy, use_tqdm=False)
@@ -28,3 +29,13 @@ def test_bad_input_is_a_clear_error(capsys):
     assert "max_tokens" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--model", "/no/such/folder", "--prompt", "x"])
+
+
+def test_the_default_model_answers_a_chat_question(capsys):
+    """No --model: the built-in SmolLM2-135M-Instruct, the prompt sent through its chat
+    template, stopped at its end-of-turn token."""
+    assert main(["--prompt", "What is the capital of France?", "--dtype", "float32",
+                 "--max-tokens", "24", "--json"]) == 0
+    [line] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert "Paris" in line["text"]
+    assert line["finish_reason"] == "stop"

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..batch import RunnerOutput, SchedulerOutput, packed_rows
 from ..engine import Engine
-from ..executor.kv_cache import num_kv_blocks
+from ..executor.kv_cache import plan_kv_blocks
 from ..kv import SlotAllocator
 from ..model.config import ModelConfig
 from ..model.loader import load_model_info, resolve_dtype
@@ -253,7 +253,7 @@ def _short(exc: BaseException) -> str:
 
 
 def build_distributed_engine(model: str, parallel: ParallelConfig, *,
-                             dtype: torch.dtype | str = "float32", device: str | None = None,
+                             dtype: torch.dtype | str = "auto", device: str | None = None,
                              max_batch_size: int = 32, kv_cache_tokens: int | None = None,
                              kv_cache_memory: int | None = None, block_size: int = 16,
                              policy: str = "orca",
@@ -268,8 +268,8 @@ def build_distributed_engine(model: str, parallel: ParallelConfig, *,
     info = load_model_info(model)
     config = info.config
     parallel.check_model(config)
-    dtype = resolve_dtype(dtype)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = resolve_dtype(dtype, device)
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device: distributed workers take 'cpu' or 'cuda' (each worker uses "
                          f"the GPU of its index on its node), got {device!r}")
@@ -278,9 +278,11 @@ def build_distributed_engine(model: str, parallel: ParallelConfig, *,
     worker_config = dataclasses.replace(config, num_layers=max(len(s) for s in stages),
                                         num_heads=config.num_heads // tp,
                                         num_kv_heads=config.num_kv_heads // tp)
-    if kv_cache_tokens is None and kv_cache_memory is None:
-        kv_cache_tokens = max_batch_size * info.max_model_len
-    num_blocks = num_kv_blocks(worker_config, block_size, dtype, kv_cache_tokens, kv_cache_memory)
+    # On a CPU, this node's workers hold their caches in this machine's memory.
+    local_caches = parallel.num_workers // parallel.nnodes if device == "cpu" else 1
+    num_blocks, _ = plan_kv_blocks(worker_config, block_size, dtype, device, max_batch_size,
+                                   info.max_model_len, kv_cache_tokens, kv_cache_memory,
+                                   local_caches)
     scheduler_config = SchedulerConfig(policy, max_batch_size, parallel.pipeline_parallel_size,
                                        max_num_batched_tokens)
     allocator = SlotAllocator(num_blocks, block_size)
@@ -290,4 +292,5 @@ def build_distributed_engine(model: str, parallel: ParallelConfig, *,
     executor = DistributedExecutor(parallel, spec, allocator, config)
     return Engine(executor, make_scheduler(scheduler_config, allocator),
                   max_model_len=info.max_model_len, tokenizer=info.tokenizer,
-                  eos_token_ids=info.eos_token_ids, vocab_size=config.vocab_size)
+                  eos_token_ids=info.eos_token_ids, vocab_size=config.vocab_size,
+                  chat_template=info.chat_template, bos_token_id=config.bos_token_id)

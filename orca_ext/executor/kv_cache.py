@@ -1,13 +1,22 @@
 """Per-layer paged KV cache tensors, sized from a KV budget."""
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
 from ..model.arena import huge_page_empty
 from ..model.config import ModelConfig
+
+_log = logging.getLogger(__name__)
+
+# The default KV cache: what max_batch_size full-context requests can use, capped at this many
+# bytes (vLLM's CPU backend reserves 4 GiB by default) and at a share of the memory available.
+DEFAULT_KV_CAP_BYTES = 4 * 2**30
+DEFAULT_KV_SHARE = 0.5
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -34,6 +43,73 @@ def num_kv_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype,
         raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes is less than one KV block "
                          f"({per_block} bytes at block_size={block_size}, {dtype})")
     return kv_cache_memory // per_block
+
+
+def available_memory(device: torch.device | str = "cpu") -> int | None:
+    """Bytes free for new allocations: the GPU's free memory, or on a CPU MemAvailable (capped
+    by a cgroup limit, where one is set); None where unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    available = next((int(line.split()[1]) * 1024 for line in meminfo.splitlines()
+                      if line.startswith("MemAvailable:")), None)
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),):
+        try:
+            limit, usage = Path(limit_file).read_text().strip(), Path(usage_file).read_text()
+        except OSError:
+            continue
+        if limit.isdigit() and available is not None:
+            available = min(available, int(limit) - int(usage))
+    return available
+
+
+def plan_kv_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                   device: torch.device | str, max_batch_size: int, max_model_len: int,
+                   kv_cache_tokens: int | None = None, kv_cache_memory: int | None = None,
+                   caches_on_this_machine: int = 1) -> tuple[int, str]:
+    """(blocks, why) for a KV cache. Without a budget: what ``max_batch_size`` full-context
+    requests can use, capped at ``DEFAULT_KV_CAP_BYTES`` and at ``DEFAULT_KV_SHARE`` of the
+    available memory (shared by ``caches_on_this_machine`` caches). An explicit budget larger
+    than the available memory is a ValueError naming both, before anything is allocated."""
+    per_block = kv_bytes_per_block(config, block_size, dtype)
+    available = available_memory(device)
+    if kv_cache_tokens is not None or kv_cache_memory is not None:
+        blocks = num_kv_blocks(config, block_size, dtype, kv_cache_tokens, kv_cache_memory)
+        wanted = blocks * per_block * caches_on_this_machine
+        if available is not None and wanted > available:
+            raise ValueError(f"the KV cache asked for ({blocks * block_size} tokens, "
+                             f"{_gib(wanted)} GiB) is more than the {_gib(available)} GiB of "
+                             f"memory available on {torch.device(device).type}")
+        return blocks, "as asked"
+    if max_batch_size < 1 or max_model_len < 1:
+        raise ValueError(f"max_batch_size and max_model_len must be >= 1, got {max_batch_size} "
+                         f"and {max_model_len}")
+    full = num_kv_blocks(config, block_size, dtype, max_batch_size * max_model_len)
+    cap = DEFAULT_KV_CAP_BYTES
+    if available is not None:
+        cap = min(cap, int(available * DEFAULT_KV_SHARE))
+    cap_blocks = cap // caches_on_this_machine // per_block
+    if full <= cap_blocks:
+        return full, f"{max_batch_size} requests x {max_model_len} tokens (max_batch_size x context)"
+    if cap_blocks < 1:
+        raise ValueError(f"no room for a KV cache: {_gib(available or 0)} GiB of memory available,"
+                         f" one block takes {per_block} bytes")
+    source = (f"{DEFAULT_KV_SHARE:.0%} of the {_gib(available)} GiB available"
+              if available is not None and cap < DEFAULT_KV_CAP_BYTES
+              else f"the default cap of {_gib(DEFAULT_KV_CAP_BYTES)} GiB")
+    return cap_blocks, (f"capped at {source} (max_batch_size x context would take "
+                        f"{_gib(full * per_block * caches_on_this_machine)} GiB; set "
+                        "kv_cache_tokens or kv_cache_memory to choose)")
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f}"
 
 
 class KVCache:
