@@ -31,6 +31,7 @@ BAD = [
     ("POST", CMPL, b"[1, 2]", 400, None),  # not an object
     ("POST", CMPL, b"", 400, None),  # empty body
     ("POST", CMPL, b'{"prompt": "\xff\xfe"}', 400, None),  # not UTF-8
+    ("POST", CMPL, b'{"a":' * 5000 + b"1" + b"}" * 5000, 400, None),  # nested 5000 levels
     ("POST", CMPL, {"model": MODEL}, 400, "prompt"),  # missing prompt
     ("POST", CMPL, {"prompt": 5}, 400, "prompt"),
     ("POST", CMPL, {"prompt": ""}, 400, "prompt"),

@@ -1,33 +1,35 @@
 """The OpenAI-compatible HTTP API (FastAPI): ``create_app(engine, ...)``.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics. Bodies are read and parsed here (not by FastAPI) so that every failure, malformed
-JSON included, gets an OpenAI-style error body with the right status. A client that disconnects
--- while its request waits, runs, or streams -- aborts the request in the engine.
+GET /metrics, and their OpenAPI document at GET /openapi.json. The POST bodies are declared as
+the request models of ``protocol``, from which FastAPI documents them, but read and parsed here
+(``_BodyRoute``, not by FastAPI) so that every failure, malformed JSON included, gets an
+OpenAI-style error body with the right status. A client that disconnects -- while its request
+waits, runs, or streams -- aborts the request in the engine.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..async_engine import AsyncEngine
 from .core import Generation, ServingCore
 from .metrics import CONTENT_TYPE
 from .protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, TokenText, chat_logprobs, chat_response,
-    completion_logprobs, completion_response, finish_fields, now, usage, usage_of,
+    APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+    CompletionResponse, ErrorResponse, Health, ModelList, TokenText, chat_logprobs,
+    chat_response, completion_logprobs, completion_response, finish_fields, now, parse_body,
+    usage, usage_of,
 )
 
 T = TypeVar("T")
-M = TypeVar("M", bound=BaseModel)
 
 
 class ClientDisconnected(Exception):
@@ -37,7 +39,8 @@ class ClientDisconnected(Exception):
 def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
     """The FastAPI app serving ``engine``. ``options`` are ServingCore's (``model_name``,
     ``chat_template``, ``bos_token``, ``eos_token``, ``api_key``, ``max_queue``,
-    ``max_body_bytes``); or pass a ServingCore to share it with the gRPC server."""
+    ``max_body_bytes``, ``log_requests``); or pass a ServingCore to share it with the gRPC
+    server."""
     core = engine if isinstance(engine, ServingCore) else ServingCore(engine, **options)
     app = FastAPI(title="orca_ext", version="0.1.0", docs_url=None, redoc_url=None)
     app.state.core = core
@@ -53,11 +56,6 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
         return JSONResponse(error.body(), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        error = APIError.bad_request(str(exc))
-        return JSONResponse(error.body(), status_code=400)
-
     @app.exception_handler(ClientDisconnected)
     async def _disconnected(request: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nobody reads it
@@ -67,27 +65,27 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
         error = APIError(500, f"internal error: {exc!r}")
         return JSONResponse(error.body(), status_code=500)
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses=_documented(Health, 503))
     async def health() -> Response:
         if not core.engine.is_healthy():
             error = APIError(503, "the engine loop is dead or stuck", code="engine_unavailable")
             return JSONResponse(error.body(), status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={
+        200: {"content": {CONTENT_TYPE.partition(";")[0]: {"schema": {"type": "string"}}},
+              "description": "Prometheus' text format"}})
     async def metrics() -> Response:
         return Response(core.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses=_documented(ModelList, 401))
     async def models(request: Request) -> JSONResponse:
         core.check_api_key(request.headers.get("authorization"))
         return JSONResponse({"object": "list", "data": [{
             "id": core.model_name, "object": "model", "created": _STARTED, "owned_by": "orca_ext",
             "max_model_len": core.max_model_len}]})
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        body = await _parse(request, core, CompletionRequest)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         body.check()
         core.check_model(body.model)
         texts = body.prompts()
@@ -99,7 +97,7 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
         request_id = core.new_request_id("cmpl")
         generation = await _race(request, core.start(prompt_ids, params, request_id))
         if body.stream:
-            return _SSEResponse(_completion_chunks(generation, body, request_id,
+            return _SSEResponse(_completion_chunks(generation, body, params.n, request_id,
                                                    core.model_name, echoes, token_text),
                                 generation)
         outputs = await _race(request, generation.final())
@@ -107,16 +105,14 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
         for i, output in enumerate(outputs):
             for c in output.outputs:
                 choices.append({
-                    "index": i * body.n + c.index, "text": echoes[i] + c.text,
+                    "index": i * params.n + c.index, "text": echoes[i] + c.text,
                     "logprobs": None if c.logprobs is None else completion_logprobs(
                         c.token_ids, c.logprobs, token_text, len(echoes[i])),
                     **finish_fields(c)})
         return JSONResponse(completion_response(request_id, core.model_name, now(), choices,
                                                 usage_of(outputs)))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        body = await _parse(request, core, ChatCompletionRequest)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         body.check()
         core.check_model(body.model)
         messages = [{"role": m.role, "content": m.text(),
@@ -131,8 +127,8 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
         request_id = core.new_request_id("chatcmpl")
         generation = await _race(request, core.start(prompt_ids, params, request_id))
         if body.stream:
-            return _SSEResponse(_chat_chunks(generation, body, request_id, core.model_name,
-                                             token_text), generation)
+            return _SSEResponse(_chat_chunks(generation, body, params.n, request_id,
+                                             core.model_name, token_text), generation)
         (output,) = await _race(request, generation.final())
         choices = [{
             "index": c.index, "message": {"role": "assistant", "content": c.text},
@@ -142,8 +138,65 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
         return JSONResponse(chat_response(request_id, core.model_name, now(), choices,
                                           usage_of([output])))
 
+    for path, endpoint, response in (("/v1/completions", completions, CompletionResponse),
+                                     ("/v1/chat/completions", chat_completions,
+                                      ChatCompletionResponse)):
+        app.router.add_api_route(path, endpoint, methods=["POST"], response_model=None,
+                                 responses=_documented(response, *_GENERATION_ERRORS,
+                                                       streams=True),
+                                 route_class_override=_BodyRoute)
     app.add_middleware(_CountRequests, core=core)
+    app.openapi = lambda: _openapi_document(app)  # type: ignore[method-assign]
     return app
+
+
+def _openapi_document(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, less the 422 response it adds to every route with a body: this
+    server answers a bad body with 400, as documented."""
+    if app.openapi_schema is None:
+        document = FastAPI.openapi(app)
+        for operations in document["paths"].values():
+            for operation in operations.values():
+                operation["responses"].pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            document["components"]["schemas"].pop(name, None)
+    return app.openapi_schema
+
+
+# What a generation request can be refused with: bad input, no or a wrong API key, a body over
+# the limit, a full queue, a dead engine.
+_GENERATION_ERRORS = (400, 401, 413, 429, 503)
+_SSE_DESCRIPTION = ("With stream=true: server-sent events, `data: <chunk>` lines (the JSON "
+                    "response's description says what a chunk holds), then `data: [DONE]`")
+
+
+def _documented(model: type, *error_statuses: int,
+                streams: bool = False) -> dict[int | str, dict[str, Any]]:
+    """The ``responses`` of a route: 200 with ``model`` (and with ``streams``, the event stream),
+    each error status with OpenAI's error body."""
+    ok: dict[str, Any] = {"model": model}
+    if streams:
+        ok["content"] = {"text/event-stream": {"schema": {"type": "string",
+                                                          "description": _SSE_DESCRIPTION}}}
+    return {200: ok, **{status: {"model": ErrorResponse} for status in error_statuses}}
+
+
+class _BodyRoute(APIRoute):
+    """A POST route whose endpoint is ``endpoint(body, request)``: FastAPI documents the body
+    from the endpoint's type hint, and this route reads it (API key first, size bounded) and
+    parses it into that model with ``parse_body``, whose errors are the OpenAI error body."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        endpoint = self.endpoint
+        model = self.body_field.field_info.annotation
+
+        async def handler(request: Request) -> Response:
+            core: ServingCore = request.app.state.core
+            core.check_api_key(request.headers.get("authorization"))
+            body = parse_body(await _read_body(request, core.max_body_bytes), model)
+            return await endpoint(body, request)
+
+        return handler
 
 
 _STARTED = now()
@@ -178,30 +231,20 @@ _API_OF_PATH = {"/v1/completions": "completions", "/v1/chat/completions": "chat"
                 "/v1/models": "models"}
 
 
-async def _parse(request: Request, core: ServingCore, model: type[M]) -> M:
-    core.check_api_key(request.headers.get("authorization"))
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 as soon as it is known to be longer than ``limit`` bytes."""
+    too_large = APIError(413, f"the request body is larger than {limit} bytes",
+                         code="request_too_large")
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > core.max_body_bytes:
-        raise APIError(413, f"the request body is larger than {core.max_body_bytes} bytes",
-                       code="request_too_large")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > core.max_body_bytes:
-            raise APIError(413, f"the request body is larger than {core.max_body_bytes} bytes",
-                           code="request_too_large")
+        if size > limit:
+            raise too_large
         chunks.append(chunk)
-    try:
-        data = json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError.bad_request(f"the body is not valid JSON: {exc}",
-                                   code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError.bad_request("the body must be a JSON object", code="invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise APIError.from_validation_error(exc) from None
+    return b"".join(chunks)
 
 
 async def _race(request: Request, awaitable: Awaitable[T]) -> T:
@@ -275,8 +318,8 @@ class _Cursor:
         self.done = False
 
 
-async def _completion_chunks(generation: Generation, body: CompletionRequest, request_id: str,
-                             model: str, echoes: list[str],
+async def _completion_chunks(generation: Generation, body: CompletionRequest, n: int,
+                             request_id: str, model: str, echoes: list[str],
                              token_text: TokenText) -> AsyncIterator[dict[str, Any]]:
     created = now()
     cursors: dict[int, _Cursor] = {}
@@ -284,7 +327,7 @@ async def _completion_chunks(generation: Generation, body: CompletionRequest, re
     try:
         async for i, output in generation.stream():
             for c in output.outputs:
-                index = i * body.n + c.index
+                index = i * n + c.index
                 cursor = cursors.setdefault(index, _Cursor())
                 if cursor.done:
                     continue
@@ -309,8 +352,9 @@ async def _completion_chunks(generation: Generation, body: CompletionRequest, re
         await generation.aclose()
 
 
-async def _chat_chunks(generation: Generation, body: ChatCompletionRequest, request_id: str,
-                       model: str, token_text: TokenText) -> AsyncIterator[dict[str, Any]]:
+async def _chat_chunks(generation: Generation, body: ChatCompletionRequest, n: int,
+                       request_id: str, model: str,
+                       token_text: TokenText) -> AsyncIterator[dict[str, Any]]:
     created = now()
     cursors: dict[int, _Cursor] = {}
     extra = {"usage": None} if body.include_usage else {}
@@ -320,7 +364,7 @@ async def _chat_chunks(generation: Generation, body: ChatCompletionRequest, requ
                 "model": model, "choices": [choice], **extra}
 
     try:
-        for index in range(body.n):  # the role first, as OpenAI does
+        for index in range(n):  # the role first, as OpenAI does
             yield chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None})
         async for _, output in generation.stream():

@@ -1,16 +1,20 @@
-"""OpenAI-compatible request models (pydantic, strict types), errors, and response builders.
+"""OpenAI-compatible request and response models (pydantic), errors, and response builders.
 
 Requests are validated in two steps: pydantic checks the JSON types (strict: ``"5"`` is not an
-integer), then ``SamplingParams`` checks the ranges. Every failure is an ``APIError`` whose body
-is OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
+integer), then ``SamplingParams`` checks the ranges and supplies the defaults of the fields a
+client left out. Every failure is an ``APIError`` whose body is OpenAI's
+``{"error": {"message", "type", "param", "code"}}``. The response models only describe the
+responses in the OpenAPI document; the responses themselves are built as plain dicts below.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import from_json
 
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
@@ -19,6 +23,8 @@ from ..sampling_params import SamplingParams
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_N = 128  # samples per prompt
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class APIError(Exception):
@@ -82,6 +88,23 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def parse_body(raw: bytes, model: type[M]) -> M:
+    """A request body as ``model``, or an ``APIError`` 400. The parser (pydantic-core's) does
+    linear work on any input and refuses nesting deeper than 201 levels and integers longer
+    than 4300 digits, so no body reaches a recursion limit or a quadratic conversion."""
+    try:
+        data = from_json(raw, allow_inf_nan=True)  # NaN reaches SamplingParams, which names it
+    except ValueError as exc:
+        raise APIError.bad_request(f"the body is not valid JSON: {exc}",
+                                   code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError.bad_request("the body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise APIError.from_validation_error(exc) from None
+
+
 class _Request(BaseModel):
     # Strict JSON types; fields the server does not know (user, metadata, ...) are ignored.
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -92,10 +115,11 @@ class StreamOptions(_Request):
 
 
 class _SamplingFields(_Request):
-    """The sampling fields shared by completions and chat (vLLM's extensions included)."""
+    """The sampling fields shared by completions and chat (vLLM's extensions included). Those
+    named like a ``SamplingParams`` field go to it when set; it has the defaults."""
 
     model: str | None = None
-    n: int = 1
+    n: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -106,7 +130,7 @@ class _SamplingFields(_Request):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
@@ -115,12 +139,6 @@ class _SamplingFields(_Request):
         if self.logit_bias:
             raise APIError.bad_request("logit_bias is not supported", "logit_bias",
                                        "unsupported_parameter")
-        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 63:
-            # (out of torch's seed range, a seed would fail the whole engine step)
-            raise APIError.bad_request(f"seed must be a signed 64-bit integer, got {self.seed}",
-                                       "seed")
-        if not 1 <= self.n <= MAX_N:
-            raise APIError.bad_request(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise APIError.bad_request("stream_options is only allowed with stream=true",
                                        "stream_options")
@@ -130,21 +148,26 @@ class _SamplingFields(_Request):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
+        given = {name: value for name in _PASSED_TO_SAMPLING_PARAMS
+                 if (value := getattr(self, name)) is not None}
+        return sampling_params({**given, "max_tokens": max_tokens, "logprobs": logprobs})
 
-        try:
-            return SamplingParams(
-                n=self.n, max_tokens=max_tokens, temperature=pick(self.temperature, 1.0),
-                top_p=pick(self.top_p, 1.0), top_k=pick(self.top_k, 0),
-                min_p=pick(self.min_p, 0.0),
-                repetition_penalty=pick(self.repetition_penalty, 1.0),
-                presence_penalty=pick(self.presence_penalty, 0.0),
-                frequency_penalty=pick(self.frequency_penalty, 0.0), seed=self.seed,
-                stop=pick(self.stop, []), stop_token_ids=pick(self.stop_token_ids, []),
-                ignore_eos=self.ignore_eos, logprobs=logprobs)
-        except ValueError as exc:
-            raise APIError.from_value_error(exc) from None
+
+# (max_tokens and logprobs mean something else per endpoint: the handlers work them out.)
+_PASSED_TO_SAMPLING_PARAMS = tuple(f.name for f in dataclasses.fields(SamplingParams)
+                                   if f.name in _SamplingFields.model_fields)
+
+
+def sampling_params(fields: dict[str, Any]) -> SamplingParams:
+    """``SamplingParams(**fields)`` (the fields a client set; the rest take its defaults), with
+    the server's limit on ``n``; a bad value is a 400 naming the field."""
+    try:
+        params = SamplingParams(**fields)
+    except ValueError as exc:
+        raise APIError.from_value_error(exc) from None
+    if params.n > MAX_N:
+        raise APIError.bad_request(f"n must be in [1, {MAX_N}], got {params.n}", "n")
+    return params
 
 
 class CompletionRequest(_SamplingFields):
@@ -162,7 +185,8 @@ class CompletionRequest(_SamplingFields):
         if self.suffix:
             raise APIError.bad_request("suffix is not supported", "suffix",
                                        "unsupported_parameter")
-        if self.best_of is not None and self.best_of != self.n:
+        if self.best_of is not None and self.best_of != (
+                SamplingParams.n if self.n is None else self.n):
             raise APIError.bad_request("best_of other than n is not supported", "best_of",
                                        "unsupported_parameter")
         if self.echo and self.logprobs is not None:
@@ -238,6 +262,116 @@ class ChatCompletionRequest(_SamplingFields):
         if not self.logprobs:
             return None
         return 0 if self.top_logprobs is None else self.top_logprobs
+
+
+# ---------------------------------------------------------------------------------------------
+# Response models: what the OpenAPI document promises (the tests hold the responses to them)
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error status (OpenAI's error object)."""
+
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None  # the stop token id or string that ended the choice
+
+
+class CompletionResponse(BaseModel):
+    """POST /v1/completions without streaming. With ``stream``: server-sent events, each
+    ``data: `` and one such object (``usage`` null, and a last one with no choices and the
+    usage when ``stream_options.include_usage``), then ``data: [DONE]``."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    """POST /v1/chat/completions without streaming. With ``stream``: server-sent events of
+    ``chat.completion.chunk`` objects, whose choices carry a ``delta`` (the role first, then
+    the new content) instead of a ``message``, then ``data: [DONE]``."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
 
 
 # ---------------------------------------------------------------------------------------------
