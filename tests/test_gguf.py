@@ -1,0 +1,210 @@
+"""GGUF loading on small files written here: every tensor type against gguf-py's own
+dequantization and against transformers' GGUF loader, logits against transformers, the
+tokenizer against transformers' GGUF tokenizer, and every bad-file case by its message."""
+from __future__ import annotations
+
+import struct
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf_files import TYPES, gguf_tensors, llama_cpp_permute, make_model, write_gguf
+from test_loader import forward_logits
+
+from orca_ext.model import load_model, load_model_info
+from orca_ext.model.gguf import GGUFFile, merges_from_scores
+from orca_ext.model.loader import open_checkpoint
+
+ARCHS = ["llama", "qwen2", "gpt2"]
+TEXT = ("the cat and the dog in 12 of 2024, 31415 apples\n\nis it? <|endoftext|> héllo wörld "
+        "日本語のテキスト 😀🎉  \t x   y\n  def f(x):\n    return x ** 2  # done\r\n<|im_end|>")
+
+
+def _types(arch: str, offset: int = 0) -> dict[str, gguf.GGMLQuantizationType]:
+    matrices = [n for n, w in gguf_tensors(make_model(arch), arch).items() if w.ndim == 2]
+    return {n: TYPES[(i + offset) % len(TYPES)] for i, n in enumerate(matrices)}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Per architecture: (folder, file) of a GGUF whose tensors cycle through every type."""
+    out = {}
+    for arch in ARCHS:
+        folder = tmp_path_factory.mktemp(arch)
+        out[arch] = folder, write_gguf(make_model(arch), arch, folder / f"{arch}.gguf",
+                                       _types(arch))
+    return out
+
+
+def _transformers(folder, file) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), gguf_file=file.name, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_tensor_type_loads_as_gguf_dequantizes_it(arch, files):
+    _, file = files[arch]
+    reader = gguf.GGUFReader(file)
+    stored = {t.name: t for t in reader.tensors}
+    assert {t.tensor_type for t in stored.values() if t.data.ndim == 2} >= set(TYPES) - {
+        gguf.GGMLQuantizationType.F32}
+    model = make_model(arch)
+    # Our loaded checkpoint, put back in llama.cpp's layout, equals gguf-py's dequantization
+    # of the stored bytes.
+    with open_checkpoint(load_model_info(str(file))) as checkpoint:
+        ours = {n: checkpoint.get_tensor(n) for n in checkpoint.names()}
+    original = gguf_tensors(model, arch)
+    for gguf_name, tensor in stored.items():
+        expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(
+            original[gguf_name].shape)
+        # Our copy of the same tensor under its Hugging Face name, back in llama.cpp's layout.
+        hf_name = _hf_name(arch, gguf_name)
+        got = ours[hf_name].numpy()
+        if arch == "gpt2" and got.ndim == 2 and "blk." in gguf_name:
+            got = got.T
+        if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            got = llama_cpp_permute(got, 4 if "attn_q" in gguf_name else 2)
+        np.testing.assert_array_equal(got, expected, err_msg=gguf_name)
+
+
+def _hf_name(arch: str, gguf_name: str) -> str:
+    """Hugging Face name of a llama.cpp tensor name (the test's own table)."""
+    table = {
+        "llama": {"token_embd.weight": "model.embed_tokens.weight",
+                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"},
+        "gpt2": {"token_embd.weight": "transformer.wte.weight",
+                 "position_embd.weight": "transformer.wpe.weight",
+                 "output_norm.weight": "transformer.ln_f.weight",
+                 "output_norm.bias": "transformer.ln_f.bias", "output.weight": "lm_head.weight"},
+    }
+    family = "gpt2" if arch == "gpt2" else "llama"
+    if gguf_name in table[family]:
+        return table[family][gguf_name]
+    _, layer, part, kind = gguf_name.split(".")
+    blocks = {
+        "llama": {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+                  "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                  "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+                  "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                  "ffn_down": "mlp.down_proj"},
+        "gpt2": {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
+                 "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
+    }
+    prefix = "transformer.h." if family == "gpt2" else "model.layers."
+    return f"{prefix}{layer}.{blocks[family][part]}.{kind}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tensors_and_logits_equal_transformers_gguf_load(arch, files):
+    folder, file = files[arch]
+    hf = _transformers(folder, file)
+    with open_checkpoint(load_model_info(str(file))) as checkpoint:
+        for name in checkpoint.names():
+            torch.testing.assert_close(checkpoint.get_tensor(name), hf.state_dict()[name],
+                                       rtol=0, atol=0, msg=name)
+    tokens = [5, 17, 100, 260, 3, 99, 42, 7]
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(forward_logits(load_model(str(file)), tokens), expected,
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tokenizer_equals_transformers_gguf_tokenizer(arch, files):
+    folder, file = files[arch]
+    expected = transformers.AutoTokenizer.from_pretrained(str(folder), gguf_file=file.name)
+    ours = load_model_info(str(file)).tokenizer
+    for text in (TEXT, TEXT.upper(), " leading space", "the" * 40, "12 1212 121"):
+        assert ours.encode(text) == expected.encode(text), text
+    if arch != "llama":  # byte-level BPE round-trips any text
+        assert ours.decode(ours.encode(TEXT), skip_special_tokens=False) == TEXT
+
+
+def test_sentencepiece_merges_follow_the_scores():
+    tokens = ["a", "b", "c", "ab", "bc", "abc"]
+    merges = merges_from_scores(tokens, [0, 0, 0, -1, -2, -3])
+    assert merges == [("a", "b"), ("b", "c"), ("ab", "c"), ("a", "bc")]
+
+
+@pytest.mark.parametrize("pre", ["smollm", "llama-bpe", "qwen2", "gpt-2"])
+def test_named_pre_tokenizers_load(pre, tmp_path):
+    file = write_gguf(make_model("qwen2"), "qwen2", tmp_path / "m.gguf", pre=pre)
+    tokenizer = load_model_info(str(file)).tokenizer
+    assert tokenizer.decode(tokenizer.encode(TEXT), skip_special_tokens=False) == TEXT
+
+
+def test_folder_with_one_gguf_loads_it(files, tmp_path):
+    folder, file = files["qwen2"]
+    assert load_model_info(str(folder)).config == load_model_info(str(file)).config
+    (tmp_path / "a.gguf").write_bytes(file.read_bytes())
+    (tmp_path / "b.gguf").write_bytes(file.read_bytes())
+    with pytest.raises(ValueError, match="2 .gguf files.*name one"):
+        load_model_info(str(tmp_path))
+
+
+def _bad(tmp_path, **kwargs):
+    return write_gguf(make_model("llama"), "llama", tmp_path / "bad.gguf", **kwargs)
+
+
+def test_bad_files_are_value_errors_naming_file_and_problem(tmp_path, files):
+    _, good = files["llama"]
+    with pytest.raises(ValueError, match="missing.gguf.*does not exist"):
+        load_model(str(tmp_path / "missing.gguf"))
+    wrong_magic = tmp_path / "magic.gguf"
+    wrong_magic.write_bytes(b"NOPE" + good.read_bytes()[4:])
+    with pytest.raises(ValueError, match="magic.gguf.*not a readable GGUF"):
+        load_model(str(wrong_magic))
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size - 5000])
+    with pytest.raises(ValueError, match="truncated.gguf.*(truncated|not a readable)"):
+        load_model(str(truncated))
+    header_only = tmp_path / "header.gguf"
+    header_only.write_bytes(good.read_bytes()[:100])
+    with pytest.raises(ValueError, match="header.gguf.*not a readable GGUF"):
+        load_model(str(header_only))
+    missing = _bad(tmp_path, skip=("blk.1.ffn_up.weight",))
+    with pytest.raises(ValueError, match=r"bad.gguf.*lacks tensors.*layers\.1\.mlp\.up_proj"):
+        load_model(str(missing))
+    misshaped = _bad(tmp_path, reshape={"blk.0.attn_v.weight": (64, 256)})
+    with pytest.raises(ValueError, match=r"bad.gguf.*v_proj.weight' has shape \(64, 256\), "
+                                         r"expected \(128, 256\)"):
+        load_model(str(misshaped))
+    unknown_pre = _bad(tmp_path, tokenizer="gpt2", pre="no-such-pre")
+    with pytest.raises(ValueError, match="bad.gguf.*pre-tokenizer 'no-such-pre'"):
+        load_model(str(unknown_pre))
+
+
+def test_unknown_architecture_and_tensor_type(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "arch.gguf"), "mamba")
+    writer.add_tensor("x.weight", np.zeros((4, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="arch.gguf.*unsupported architecture 'mamba'"):
+        load_model(str(tmp_path / "arch.gguf"))
+    file = _bad(tmp_path)
+    data = bytearray(file.read_bytes())
+    # Rewrite the first tensor's type id (after its name, dims and shape) to one with no format.
+    reader = gguf.GGUFReader(file)
+    first = reader.tensors[0]
+    type_field = first.field.parts[-2]
+    offset = first.field.offset + sum(p.nbytes for p in first.field.parts[:-2])
+    assert struct.unpack_from("<I", data, offset)[0] == int(type_field[0])
+    struct.pack_into("<I", data, offset, 250)
+    patched = tmp_path / "type.gguf"
+    patched.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="type.gguf.*not a readable GGUF"):
+        load_model(str(patched))
+    iq = gguf.GGMLQuantizationType.IQ4_NL
+    writer = gguf.GGUFWriter(str(tmp_path / "iq.gguf"), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 18), np.uint8), raw_shape=(4, 18),
+                      raw_dtype=iq)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="iq.gguf.*'token_embd.weight' has type IQ4_NL"):
+        GGUFFile(tmp_path / "iq.gguf")
