@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -48,46 +49,61 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="orca-serve", description="Serve a model over an OpenAI-compatible HTTP API "
-        "(and gRPC with --grpc-port).")
-    p.add_argument("--model", default="orca-tiny",
+        "(and gRPC with --grpc-port). Options named as vLLM's mean what they mean there.")
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default="orca-tiny",
                    help="a Hugging Face model folder or a built-in name (default: orca-tiny)")
-    p.add_argument("--served-model-name", default=None,
+    m.add_argument("--served-model-name", default=None,
                    help="the name clients use in 'model' (default: --model)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
-                   "127.0.0.1; 0.0.0.0 for all interfaces)")
-    p.add_argument("--port", type=_port, default=8000,
-                   help="HTTP port (default 8000; 0: pick a free one)")
-    p.add_argument("--grpc-port", type=_port, default=None,
-                   help="also serve gRPC on this port (0: pick a free one)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when "
+    m.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
+    m.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when "
                    "available)")
-    p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
-    p.add_argument("--max-batch-size", type=_positive, default=32,
-                   help="most requests in one iteration (default 32)")
-    kv = p.add_mutually_exclusive_group()
-    kv.add_argument("--kv-cache-tokens", type=_positive, default=None,
-                    help="KV cache size in tokens (default: max-batch-size full contexts)")
-    kv.add_argument("--kv-cache-memory", type=parse_size, default=None,
-                    help="KV cache size in bytes, e.g. 4GiB")
-    p.add_argument("--block-size", type=_positive, default=16, help="KV block size in tokens")
-    p.add_argument("--policy", default="orca", choices=sorted(POLICIES),
+    m.add_argument("--max-model-len", type=_positive, default=None,
+                   help="the longest context (prompt + output) in tokens, at most the model's "
+                   "(default: the model's); a longer prompt is refused with 400")
+    m.add_argument("--seed", type=int, default=None,
+                   help="seed for the draws of requests that set no seed of their own "
+                   "(default: torch's fixed start state)")
+    s = p.add_argument_group("scheduling")
+    s.add_argument("--policy", default="orca", choices=sorted(POLICIES),
                    help="scheduling policy (default orca)")
-    p.add_argument("--max-num-batched-tokens", type=_positive, default=None,
+    s.add_argument("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=_positive,
+                   default=32, metavar="MAX_NUM_SEQS",
+                   help="most requests in one iteration (default 32)")
+    s.add_argument("--max-num-batched-tokens", type=_positive, default=None,
                    help="per-iteration token budget (paged policy only)")
-    p.add_argument("--api-key", default=os.environ.get("ORCA_API_KEY"),
-                   help="require 'Authorization: Bearer <key>' on /v1 and gRPC (default: "
-                   "$ORCA_API_KEY; none)")
-    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS (and gRPC over TLS)")
-    p.add_argument("--ssl-keyfile", default=None, help="the certificate's private key")
-    p.add_argument("--max-queue", type=_positive, default=None,
+    s.add_argument("--max-queue", type=_positive, default=None,
                    help="refuse new requests (429) while this many wait for admission")
-    p.add_argument("--max-body-bytes", type=parse_size, default=4 << 20,
-                   help="largest request body (default 4MiB; larger: 413)")
-    p.add_argument("--stuck-timeout", type=float, default=300.0,
-                   help="seconds one engine step may take before /health reports 503")
-    p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
-    d = p.add_argument_group("distributed execution (docs/distributed.md)")
+    kv = p.add_argument_group("KV cache")
+    size = kv.add_mutually_exclusive_group()
+    size.add_argument("--kv-cache-tokens", type=_positive, default=None,
+                      help="KV cache size in tokens (default: max-num-seqs full contexts)")
+    size.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                      help="KV cache size in bytes, e.g. 4GiB")
+    kv.add_argument("--block-size", type=_positive, default=16, help="KV block size in tokens")
+    srv = p.add_argument_group("server")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
+                     "127.0.0.1; 0.0.0.0 for all interfaces)")
+    srv.add_argument("--port", type=_port, default=8000,
+                     help="HTTP port (default 8000; 0: pick a free one)")
+    srv.add_argument("--grpc-port", type=_port, default=None,
+                     help="also serve gRPC on this port (0: pick a free one)")
+    srv.add_argument("--max-body-bytes", type=parse_size, default=4 << 20,
+                     help="largest request body (default 4MiB; larger: 413)")
+    srv.add_argument("--stuck-timeout", type=float, default=300.0,
+                     help="seconds one engine step may take before /health reports 503")
+    srv.add_argument("--log-level", default="info",
+                     choices=["critical", "error", "warning", "info", "debug", "trace"])
+    srv.add_argument("--disable-log-requests", action="store_true",
+                     help="no info line per finished request (id, prompt and output tokens, "
+                     "time to first token, total time, finish reason)")
+    sec = p.add_argument_group("security")
+    sec.add_argument("--api-key", default=os.environ.get("ORCA_API_KEY"),
+                     help="require 'Authorization: Bearer <key>' on /v1 and gRPC (default: "
+                     "$ORCA_API_KEY; none)")
+    sec.add_argument("--ssl-certfile", default=None, help="serve HTTPS (and gRPC over TLS)")
+    sec.add_argument("--ssl-keyfile", default=None, help="the certificate's private key")
+    d = p.add_argument_group("distributed (docs/distributed.md)")
     d.add_argument("--tensor-parallel-size", "--tp", type=_positive, default=1,
                    help="split each layer over this many workers (default 1)")
     d.add_argument("--pipeline-parallel-size", "--pp", type=_positive, default=1,
@@ -151,6 +167,15 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+def _with_context(loaded: Any, max_model_len: int) -> Any:
+    """``loaded`` with its context capped at ``max_model_len`` (the engine, its default KV size
+    and the server take it from there); ValueError when that exceeds the model's."""
+    if max_model_len > loaded.max_model_len:
+        raise ValueError(f"--max-model-len {max_model_len} is longer than the model's context "
+                         f"({loaded.max_model_len} tokens)")
+    return dataclasses.replace(loaded, max_model_len=max_model_len)
 
 
 def _token(tokenizer: Any, token_id: int | None) -> str | None:
@@ -250,31 +275,61 @@ def main(argv: Sequence[str] | None = None) -> int:
               "pip install 'orca_ext[serve]'", file=sys.stderr)
         return 2
 
+    from ..distributed import WorkerError
+
+    try:
+        http_sock = _bind(args.host, args.port)
+    except OSError as exc:
+        print(f"orca-serve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        core, banner = build_core(args, parallel)
+    except (ValueError, FileNotFoundError, OSError, WorkerError) as exc:
+        http_sock.close()
+        print(f"orca-serve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_serve(args, core, http_sock, banner))
+    except ValueError as exc:
+        print(f"orca-serve: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        http_sock.close()
+        core.engine.shutdown()
+    return 0
+
+
+def build_core(args: argparse.Namespace, parallel: Any) -> tuple[Any, list[str]]:
+    """The model, engine and ``ServingCore`` that ``args`` describe (``parallel``: their
+    ``ParallelConfig``), and the banner lines saying what they are. Bad arguments raise
+    ValueError (or the loader's FileNotFoundError / OSError, or WorkerError)."""
     import torch
 
     from ..async_engine import AsyncEngine
     from ..llm import build_engine
-    from ..distributed import WorkerError
     from ..model import load_model, load_model_info
     from .core import ServingCore
 
-    try:
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if parallel.enabled:  # the workers load the weights; this process only the tokenizer
-            loaded = load_model_info(args.model)
-        else:
-            loaded = load_model(args.model, args.dtype, device)
-        http_sock = _bind(args.host, args.port)
-        engine = build_engine(args.model if parallel.enabled else loaded, dtype=args.dtype,
-                              device=device, max_batch_size=args.max_batch_size,
-                              kv_cache_tokens=args.kv_cache_tokens,
-                              kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-                              policy=args.policy,
-                              max_num_batched_tokens=args.max_num_batched_tokens,
-                              parallel_config=parallel if parallel.enabled else None)
-    except (ValueError, FileNotFoundError, OSError, WorkerError) as exc:
-        print(f"orca-serve: error: {exc}", file=sys.stderr)
-        return 2
+    if args.seed is not None and parallel.enabled:
+        raise ValueError("--seed does not reach distributed workers (they sample); give each "
+                         "request a seed instead")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if parallel.enabled:  # the workers load the weights; this process only the tokenizer
+        loaded = load_model_info(args.model)
+    else:
+        loaded = load_model(args.model, args.dtype, device)
+    if args.max_model_len is not None:
+        loaded = _with_context(loaded, args.max_model_len)
+    engine = build_engine(args.model if parallel.enabled else loaded, dtype=args.dtype,
+                          device=device, max_batch_size=args.max_batch_size,
+                          kv_cache_tokens=args.kv_cache_tokens,
+                          kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+                          policy=args.policy, max_num_batched_tokens=args.max_num_batched_tokens,
+                          parallel_config=parallel if parallel.enabled else None)
+    if parallel.enabled:  # the workers loaded the model itself, with its whole context
+        engine.max_model_len = loaded.max_model_len
+    if args.seed is not None:  # after the build, so that the first request starts from it
+        torch.manual_seed(args.seed)
     eos = loaded.eos_token_ids[0] if loaded.eos_token_ids else None
     async_engine = AsyncEngine(engine, stuck_timeout=args.stuck_timeout)
     try:
@@ -282,15 +337,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                            chat_template=loaded.chat_template,
                            bos_token=_token(loaded.tokenizer, loaded.config.bos_token_id),
                            eos_token=_token(loaded.tokenizer, eos), api_key=args.api_key,
-                           max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
-        asyncio.run(_serve(args, core, http_sock, _summary(loaded, engine)))
-    except ValueError as exc:
-        print(f"orca-serve: error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        http_sock.close()
+                           max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                           log_requests=not args.disable_log_requests)
+    except ValueError:
         async_engine.shutdown()
-    return 0
+        raise
+    return core, _summary(loaded, engine)
 
 
 if __name__ == "__main__":

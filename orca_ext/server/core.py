@@ -1,5 +1,6 @@
 """What HTTP and gRPC share: auth, the model name, prompt checks, the waiting-queue bound, and
-running a request (one or several prompts) on the AsyncEngine with metrics.
+running a request (one or several prompts) on the AsyncEngine with metrics and a log line per
+finished engine request.
 
 A request's prompts are added to the engine together and the server waits for every prompt's
 first output before answering, so bad input, a full queue or a dead engine is always an error
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -24,13 +27,15 @@ from .protocol import APIError
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 _INLINE_TOKENIZE_CHARS = 16384
 
+request_log = logging.getLogger("orca_ext.server.requests")
+
 
 class ServingCore:
     def __init__(self, engine: AsyncEngine, model_name: str = "orca-tiny", *,
                  chat_template: str | None = None, bos_token: str | None = None,
                  eos_token: str | None = None, api_key: str | None = None,
                  max_queue: int | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_requests: bool = True) -> None:
         if max_queue is not None and max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.engine = engine
@@ -42,6 +47,7 @@ class ServingCore:
         self.api_key = api_key or None
         self.max_queue = max_queue
         self.max_body_bytes = max_body_bytes
+        self.log_requests = log_requests
         self.metrics = ServerMetrics(engine)
 
     # --- checks ------------------------------------------------------------------------------
@@ -151,6 +157,27 @@ class ServingCore:
             raise
         return Generation(self, streams, firsts)
 
+    def request_ended(self, output: RequestOutput, aborted: bool = False) -> None:
+        """Record an engine request's last output in the metrics and (at info level, unless
+        ``log_requests`` is off) as one line of ``key=value`` fields, also passed to log
+        handlers as the record's ``request`` attribute."""
+        self.metrics.request_ended(output, aborted)
+        if not self.log_requests or not request_log.isEnabledFor(logging.INFO):
+            return
+        m = output.metrics
+        fields = {
+            "request_id": output.request_id,
+            "prompt_tokens": len(output.prompt_token_ids),
+            "output_tokens": sum(len(c.token_ids) for c in output.outputs),
+            "ttft_s": None if m.first_token_time is None
+            else round(m.first_token_time - m.arrival_time, 4),
+            "total_s": round((m.finish_time or time.time()) - m.arrival_time, 4),
+            "finish_reason": "abort" if aborted else ",".join(
+                c.finish_reason or "abort" for c in output.outputs),
+        }
+        request_log.info(" ".join(f"{key}={value}" for key, value in fields.items()),
+                         extra={"request": fields})
+
     async def _first(self, stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         # No await between the queue check and the engine's add_request (inside the first
         # __anext__), so concurrent requests cannot overshoot the bound.
@@ -236,8 +263,8 @@ class Generation:
         if streams:
             for output in self.latest:
                 if not output.finished:
-                    self.core.metrics.request_ended(output, aborted=True)
+                    self.core.request_ended(output, aborted=True)
 
     def _record_if_finished(self, output: RequestOutput) -> None:
         if output.finished:
-            self.core.metrics.request_ended(output)
+            self.core.request_ended(output)
