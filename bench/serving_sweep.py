@@ -189,8 +189,12 @@ def ratio_table(points: Sequence[dict[str, Any]], policies: Sequence[str],
 
 def plot(points: Sequence[dict[str, Any]], policies: Sequence[str], limit: float, title: str,
          paths: Sequence[Path]) -> None:
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:  # the tables and the JSON are the results; the plot is optional
+        print(f"no plot: matplotlib is not installed (pip install matplotlib, then run again "
+              f"for {', '.join(map(str, paths))})")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

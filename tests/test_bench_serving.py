@@ -105,3 +105,13 @@ def test_sustained_throughput_interpolates_the_crossing() -> None:
     assert serving_sweep.sustained(curve, 0.005) == (None, False)
     dip = [point(1, 1.0, 0.010), point(2, 2.0, 0.050), point(3, 3.0, 0.020)]
     assert serving_sweep.sustained(dip, 0.030) == (pytest.approx(1.5), False)  # first crossing
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, capsys, tmp_path) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    points = [{"policy": "orca", "rate": 1.0, "request_throughput": 1.0,
+               "norm_latency": {"p50": 0.01}}]
+    serving_sweep.plot(points, ["orca"], 0.02, "title", [tmp_path / "sweep.png"])
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("no plot: matplotlib is not installed (pip install matplotlib")
+    assert str(tmp_path / "sweep.png") in line and not (tmp_path / "sweep.png").exists()
