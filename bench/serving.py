@@ -448,8 +448,8 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="orca-tiny")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default=None)
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--kv-cache-tokens", type=int, default=None,

@@ -1,12 +1,13 @@
 """Offline throughput against Hugging Face ``transformers`` on the same weights and workload.
 
-    python bench/vs_transformers.py [--model orca-tiny] [--num-requests 64]
+    python bench/vs_transformers.py [--model smollm2-135m-instruct] [--num-requests 64]
         [--max-batch-size 32] [--hf-batch-sizes 4 8 16 32] [--hf-cb-batch-sizes 4 8 16]
-        [--workload orca|sharegpt] [--dtype float32|bfloat16] [--seed 0] [--json FILE]
+        [--workload orca|sharegpt] [--dtype auto|float32|bfloat16] [--seed 0] [--json FILE]
 
-The model (default: the built-in ``orca-tiny``) is saved with ``save_pretrained_folder`` and
-loaded back by ``transformers.AutoModelForCausalLM``, so both sides run the same weights, in
-the same dtype (``--dtype``, default float32) on the same threads. The workload is
+The model (default: the built-in ``smollm2-135m-instruct``) is saved with
+``save_pretrained_folder`` and loaded back by ``transformers.AutoModelForCausalLM``, so both sides
+run the same weights, in the same dtype (``--dtype``, default auto: bfloat16 where the CPU has
+AMX or AVX512-BF16, else float32) on the same threads. The workload is
 bench/serving.py's (Orca's synthetic one by default), every request present at once, greedy,
 ignoring EOS, each with its own output length.
 

@@ -1,0 +1,142 @@
+"""Quality: sliding-window perplexity, ours and transformers on the same weights, per dtype; for
+a lower-precision dtype also the mean KL divergence of its next-token distributions from the
+float32 ones.
+
+    python bench/perplexity.py [--model smollm2-135m-instruct] [--text FILE]
+        [--dtypes float32 bfloat16] [--window 512] [--stride 256] [--max-tokens 4096]
+
+The text defaults to the English documentation every Python ships (``pydoc_data/topics.py``).
+Each window of ``--window`` tokens (moving by ``--stride``) scores its tokens after the first
+``window - stride`` (all of them in the first window), as Hugging Face's perplexity guide does.
+transformers loads the same weights: a GGUF through its own GGUF loader, anything else from our
+model saved as a Hugging Face folder. The KL reference is transformers' float32 distribution,
+for both sides.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from orca_ext.executor import KVCache
+from orca_ext.kv import SlotAllocator
+from orca_ext.model import AttentionMetadata, LoadedModel, load_model, save_pretrained_folder
+from orca_ext.model.loader import load_model_info
+
+
+def default_text() -> str:
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def our_logits(loaded: LoadedModel, tokens: list[int]) -> torch.Tensor:
+    """float32 logits of every position of one window, as one prefill."""
+    n = len(tokens)
+    allocator = SlotAllocator(-(-n // 16), 16)
+    allocator.allocate(0, n)
+    meta = allocator.build_metadata([0], [0], [n])
+    kv_cache = KVCache(loaded.config, -(-n // 16), 16, loaded.dtype)
+    with torch.inference_mode():
+        hidden = loaded.model(torch.tensor(tokens), meta[4], kv_cache,
+                              AttentionMetadata(*meta[:4]))
+        return loaded.model.compute_logits(hidden, torch.arange(n)).float()
+
+
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+def windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """(start, end, first scored position within the window) of each window."""
+    out, start = [], 0
+    while True:
+        end = min(start + window, num_tokens)
+        out.append((start, end, 0 if start == 0 else window - stride))
+        if end == num_tokens:
+            return out
+        start += stride
+
+
+def load_transformers(name: str, loaded: LoadedModel, dtype: torch.dtype, scratch: Path):
+    import transformers
+
+    info = load_model_info(name)
+    if info.gguf is not None:
+        path = info.gguf.path
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    folder = save_pretrained_folder(loaded, scratch / "hf")
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--text", type=Path, default=None, help="a UTF-8 text file")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--stride", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=4096,
+                        help="score the first N tokens of the text (0: all)")
+    args = parser.parse_args()
+    if not 0 < args.stride <= args.window:
+        parser.error(f"need 0 < --stride <= --window, got {args.stride} and {args.window}")
+    text = args.text.read_text() if args.text else default_text()
+    tokenizer = load_model_info(args.model).tokenizer
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    if args.max_tokens:
+        tokens = tokens[:args.max_tokens]
+    spans = windows(len(tokens), args.window, args.stride)
+    print(f"{args.model}: {len(tokens)} tokens of {args.text or 'pydoc_data/topics.py'}, "
+          f"{len(spans)} windows of {args.window} (stride {args.stride}), "
+          f"{torch.get_num_threads()} threads", flush=True)
+    reference: list[torch.Tensor] = []  # transformers' float32 log-probabilities per window
+    results = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for dtype_name in ["float32", *[d for d in args.dtypes if d != "float32"]]:
+            loaded = load_model(args.model, dtype_name)
+            hf = load_transformers(args.model, loaded, loaded.dtype, Path(scratch))
+            sums = {"ours": [0.0, 0.0], "transformers": [0.0, 0.0]}  # nll, kl
+            count, start_time = 0, time.perf_counter()
+            for i, (start, end, first) in enumerate(spans):
+                window = tokens[start:end]
+                targets = torch.tensor(window[first + 1:])
+                for side, logits in (("ours", our_logits(loaded, window)),
+                                     ("transformers", hf_logits(hf, window))):
+                    logp = F.log_softmax(logits[first:-1], dim=-1)
+                    sums[side][0] += F.nll_loss(logp, targets, reduction="sum").item()
+                    if dtype_name == "float32" and side == "transformers":
+                        reference.append(logp)
+                    elif dtype_name != "float32":
+                        sums[side][1] += F.kl_div(logp, reference[i], log_target=True,
+                                                  reduction="sum").item()
+                count += len(targets)
+            seconds = time.perf_counter() - start_time
+            for side, (nll, kl) in sums.items():
+                results.append((dtype_name, side, math.exp(nll / count),
+                                kl / count if dtype_name != "float32" else None))
+            print(f"  {dtype_name}: {count} tokens scored in {seconds:.0f} s", flush=True)
+            del hf, loaded
+    print(f"\n{'dtype':<10} {'engine':<13} {'perplexity':>11} {'mean KL vs float32':>20}")
+    for dtype_name, side, ppl, kl in results:
+        kl_text = "-" if kl is None else f"{kl:.2e}"
+        print(f"{dtype_name:<10} {side:<13} {ppl:11.4f} {kl_text:>20}")
+    by = {(d, s): p for d, s, p, _ in results}
+    for dtype_name in dict.fromkeys(d for d, _, _, _ in results):
+        ours, theirs = by[(dtype_name, "ours")], by[(dtype_name, "transformers")]
+        print(f"{dtype_name}: ours / transformers perplexity = {ours / theirs:.5f} "
+              f"({(ours / theirs - 1) * 100:+.3f} %)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
