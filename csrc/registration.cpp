@@ -1,10 +1,13 @@
 // The one TORCH_LIBRARY of orca_ext: every op schema. Kernels register per device in
-// csrc/cpu/*.cpp and csrc/cuda/*.cpp; fake (meta) kernels are in orca_ext/ops.py.
+// csrc/cpu/*.cpp and csrc/cuda/*.cpp (logits_linear's CUDA kernel, torch ops only, in
+// orca_ext/ops.py); fake (meta) kernels are in orca_ext/ops.py.
 #include <torch/library.h>
 
 TORCH_LIBRARY(orca, m) {
   m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias, str activation=\"none\", "
         "Tensor? residual=None, str norm=\"none\", Tensor? norm_weight=None, "
+        "Tensor? norm_bias=None, float norm_eps=1e-05) -> Tensor");
+  m.def("logits_linear(Tensor x, Tensor weight, str norm=\"none\", Tensor? norm_weight=None, "
         "Tensor? norm_bias=None, float norm_eps=1e-05) -> Tensor");
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()");

@@ -7,7 +7,11 @@
 // addmm call, like F.linear); with gelu_tanh / relu the output is computed in cache-sized
 // tiles, each tile's GEMM writing a thread-local buffer that the epilogue turns into the final
 // output while it is still in cache; silu_and_mul is one GEMM plus one fused pass.
+// logits_linear is packed_linear without bias or activation whose output is float32 for every
+// input dtype: the same skinny and lanes kernels (which accumulate in float32) write float32,
+// and beyond them a float32 GEMM runs on weight tiles widened to float32.
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -44,14 +48,14 @@ std::optional<at::Tensor> onednn_linear(const at::Tensor& x, const at::Tensor& w
 
 // Up to kSkinnyMaxT tokens (decode at small batch): skinny_blocks (skinny_blocks.h) across the
 // threads.
-template <int kT, typename scalar_t, Activation act>
+template <int kT, typename scalar_t, Activation act, typename out_t = scalar_t>
 void skinny_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t* bias,
                    const scalar_t* residual, at::Tensor& out) {
   const int64_t K = x.size(1), N = out.size(1);
   const at::Tensor xs = kBf16Dot<scalar_t> ? x : x.to(at::kFloat).contiguous();
   const void* x_ptr = xs.data_ptr();
   const scalar_t* w = weight.data_ptr<scalar_t>();
-  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  out_t* out_ptr = out.data_ptr<out_t>();
   at::parallel_for(0, ceil_div(N, kSkinnyBlock), skinny_grain(K, act),
                    [&](int64_t begin, int64_t end) {
     skinny_blocks<kT, scalar_t, act>(x_ptr, w, K, N, bias, residual, out_ptr, begin, end);
@@ -61,7 +65,7 @@ void skinny_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t
 // kSkinnyMaxT < T <= kLanesMaxT tokens (decode at moderate batch): the tokens as vector lanes
 // (orca/cpu/lanes_linear.h), in blocks of output columns across the threads, each block
 // transposed back to [tokens][columns] for the epilogue while it is in cache.
-template <int kTV, typename scalar_t, Activation act>
+template <int kTV, typename scalar_t, Activation act, typename out_t = scalar_t>
 void lanes_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t* bias,
                   const scalar_t* residual, at::Tensor& out) {
   constexpr int64_t B = kSkinnyBlock;
@@ -79,7 +83,7 @@ void lanes_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t*
   }
   const void* xt_ptr = xt.data_ptr();
   const scalar_t* w = weight.data_ptr<scalar_t>();
-  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  out_t* out_ptr = out.data_ptr<out_t>();
   at::parallel_for(0, ceil_div(N, B), skinny_grain(K, act), [&](int64_t begin, int64_t end) {
     float y[B * W], by_token[2][W * B];
     for (int64_t blk = begin; blk < end; ++blk) {
@@ -192,6 +196,17 @@ at::Tensor normalized_input(const at::Tensor& x, const InputNorm& norm) {
   return y;
 }
 
+// Whether x's T rows take the token-lanes kernel: kSkinnyMaxT < T <= kLanesMaxT, in float32
+// (measured 1.3x-2x torch's BLAS, MKL, at orca-tiny's shapes; about even at 40-64 tokens) and in
+// bfloat16 where the AVX512-BF16 pair kernel applies (K even; 1.1x-1.5x oneDNN up to 16 tokens,
+// 0.9x-1.1x at 24-32). float16 stays on BLAS.
+bool takes_lanes(const at::Tensor& x) {
+  const int64_t T = x.size(0);
+  return T > kSkinnyMaxT && T <= kLanesMaxT &&
+         (x.scalar_type() == at::kFloat ||
+          (kBf16Dot<at::BFloat16> && x.scalar_type() == at::kBFloat16 && x.size(1) % 2 == 0));
+}
+
 at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in,
                              const std::optional<at::Tensor>& bias_in,
                              c10::string_view activation,
@@ -206,14 +221,7 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
   const at::Tensor weight = weight_in.contiguous();
   const int64_t T = x.size(0);
   const int64_t n_out = act == Activation::kSiluAndMul ? weight.size(0) / 2 : weight.size(0);
-  // kSkinnyMaxT < T <= kLanesMaxT: the token-lanes kernel, in float32 (measured 1.3x-2x
-  // torch's BLAS, MKL, at orca-tiny's shapes; about even at 40-64 tokens) and in bfloat16 where the
-  // AVX512-BF16 pair kernel applies (K even; 1.1x-1.5x oneDNN up to 16 tokens, 0.9x-1.1x at
-  // 24-32). float16 stays on BLAS.
-  const bool lanes = T > kSkinnyMaxT && T <= kLanesMaxT &&
-                     (x.scalar_type() == at::kFloat ||
-                      (kBf16Dot<at::BFloat16> && x.scalar_type() == at::kBFloat16 &&
-                       x.size(1) % 2 == 0));
+  const bool lanes = takes_lanes(x);
   const bool gemm = T > kSkinnyMaxT && !lanes;
   if (gemm && x.scalar_type() == at::kFloat && act != Activation::kSiluAndMul) {
     const char* attr = act == Activation::kGeluTanh ? "gelu"
@@ -267,8 +275,78 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
   return out;
 }
 
+// logits_linear beyond the skinny and lanes kernels (torch's CPU GEMMs have no float32 output
+// for bfloat16 / float16 inputs): per tile of weight rows, the rows widened to float32 in a
+// cache-sized thread-local buffer, then one float32 GEMM of all tokens into the tile's columns.
+template <typename scalar_t>
+void widened_linear(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) {
+  const int64_t K = x.size(1), N = out.size(1);
+  const at::Tensor x_float = x.to(at::kFloat);
+  // Each tile is a single-threaded GEMM: at least two per thread, a multiple of the threads.
+  const int64_t threads = at::get_num_threads();
+  int64_t tiles = std::max(ceil_div(N * K, kTileBufferElems), 2 * threads);
+  while (tiles % threads != 0) ++tiles;
+  const int64_t tile_rows = ceil_div(ceil_div(N, tiles), 16) * 16;
+  tiles = ceil_div(N, tile_rows);
+  // The workers take the caller's thread-local state: under inference mode out is an inference
+  // tensor, which only inference mode may write.
+  const at::ThreadLocalState caller_state;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    const at::ThreadLocalStateGuard state_guard(caller_state);
+    at::Tensor buf = at::empty({tile_rows, K}, x_float.options());
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t n0 = tile * tile_rows, rows = std::min(tile_rows, N - n0);
+      at::Tensor w = buf.narrow(0, 0, rows);
+      w.copy_(weight.narrow(0, n0, rows));
+      // The [T, rows] column slice of out, written in place (BLAS takes its row stride as ldc).
+      at::Tensor cols = out.narrow(1, n0, rows);
+      at::mm_out(cols, x_float, w.t());
+    }
+  });
+}
+
+at::Tensor logits_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in,
+                             c10::string_view norm, const std::optional<at::Tensor>& norm_weight,
+                             const std::optional<at::Tensor>& norm_bias, double norm_eps) {
+  const InputNorm input_norm = check_linear_inputs(x_in, weight_in, std::nullopt, "none",
+                                                   std::nullopt, norm, norm_weight, norm_bias,
+                                                   norm_eps).norm;
+  if (x_in.scalar_type() == at::kFloat) {
+    return packed_linear_cpu(x_in, weight_in, std::nullopt, "none", std::nullopt, norm,
+                             norm_weight, norm_bias, norm_eps);
+  }
+  const at::Tensor x = input_norm.kind == NormKind::kNone
+                           ? x_in.contiguous()
+                           : normalized_input(x_in.contiguous(), input_norm);
+  const at::Tensor weight = weight_in.contiguous();
+  const int64_t T = x.size(0), K = x.size(1), N = weight.size(0);
+  at::Tensor out = at::empty({T, N}, x.options().dtype(at::kFloat));
+  if (T == 0 || N == 0 || K == 0) return out.zero_();
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "logits_linear", [&] {
+    if (T <= kSkinnyMaxT) {
+      return dispatch_skinny_tokens(T, [&]<int kT>() {
+        skinny_linear<kT, scalar_t, Activation::kNone, float>(x, weight, nullptr, nullptr, out);
+      });
+    }
+    if constexpr (kBf16Dot<scalar_t>) {
+      if (takes_lanes(x)) {
+        return T <= 16
+                   ? lanes_linear<1, scalar_t, Activation::kNone, float>(x, weight, nullptr,
+                                                                          nullptr, out)
+                   : lanes_linear<2, scalar_t, Activation::kNone, float>(x, weight, nullptr,
+                                                                          nullptr, out);
+      }
+    }
+    widened_linear<scalar_t>(x, weight, out);
+  });
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(orca, CPU, m) { m.impl("packed_linear", &packed_linear_cpu); }
+TORCH_LIBRARY_IMPL(orca, CPU, m) {
+  m.impl("packed_linear", &packed_linear_cpu);
+  m.impl("logits_linear", &logits_linear_cpu);
+}
 
 }  // namespace orca

@@ -22,17 +22,18 @@ constexpr int64_t kSkinnyBlock = 64;  // output columns per task of the skinny p
 // weights, and stalls badly when another process holds a core.
 constexpr int64_t kMinParallelWeights = 1 << 16;
 
-template <Activation act, bool kBias, bool kResidual, typename in_t, typename scalar_t>
+template <Activation act, bool kBias, bool kResidual, typename in_t, typename scalar_t,
+          typename out_t>
 void epilogue_rows(const in_t* in, const in_t* up_in, int64_t in_stride, int64_t rows,
                    int64_t cols, const scalar_t* bias, const scalar_t* up_bias,
-                   const scalar_t* residual, scalar_t* out, int64_t out_stride) {
+                   const scalar_t* residual, out_t* out, int64_t out_stride) {
   const auto biased = [](const in_t* row, const scalar_t* b, int64_t j) {
     if constexpr (kBias) return static_cast<float>(row[j]) + static_cast<float>(b[j]);
     return static_cast<float>(row[j]);
   };
   for (int64_t i = 0; i < rows; ++i) {
     const in_t* t = in + i * in_stride;
-    scalar_t* o = out + i * out_stride;
+    out_t* o = out + i * out_stride;
     const scalar_t* r = residual + i * out_stride;
     const auto plus_residual = [&](float v, int64_t j) {
       if constexpr (kResidual) return v + static_cast<float>(r[j]);
@@ -41,7 +42,7 @@ void epilogue_rows(const in_t* in, const in_t* up_in, int64_t in_stride, int64_t
     if constexpr (act == Activation::kSiluAndMul) {
       const in_t* u = up_in + i * in_stride;
       for (int64_t j = 0; j < cols; ++j) {
-        o[j] = static_cast<scalar_t>(
+        o[j] = static_cast<out_t>(
             plus_residual(cpu::silu(biased(t, bias, j)) * biased(u, up_bias, j), j));
       }
     } else {
@@ -50,7 +51,7 @@ void epilogue_rows(const in_t* in, const in_t* up_in, int64_t in_stride, int64_t
         const float a = act == Activation::kGeluTanh ? cpu::gelu_tanh(v)
                         : act == Activation::kRelu   ? cpu::relu(v)
                                                      : v;
-        o[j] = static_cast<scalar_t>(plus_residual(a, j));
+        o[j] = static_cast<out_t>(plus_residual(a, j));
       }
     }
   }
@@ -58,14 +59,15 @@ void epilogue_rows(const in_t* in, const in_t* up_in, int64_t in_stride, int64_t
 
 // out[i, j] = act(in[i, j] + bias[j]) + residual[i, j]; for silu_and_mul, silu(in + bias) *
 // (up_in + up_bias) + residual (up_bias is set exactly when bias is; residual, where set, has
-// out's layout). With and without a bias (or residual) are separate loops: from
-// `bias ? bias[j] : 0` the vectorizer emits masked loads, and on Zen 4 a masked load from a
-// null bias (all lanes off) takes a microcode assist per vector: the silu_and_mul pass after a
-// bias-free GEMM (Llama's MLP) ran ~6x slower than the eager silu(gate) * up it replaces.
-template <Activation act, typename in_t, typename scalar_t>
+// out's layout; out is the dtype, or float32 for logits_linear). With and without a bias (or
+// residual) are separate loops: from `bias ? bias[j] : 0` the vectorizer emits masked loads,
+// and on Zen 4 a masked load from a null bias (all lanes off) takes a microcode assist per
+// vector: the silu_and_mul pass after a bias-free GEMM (Llama's MLP) ran ~6x slower than the
+// eager silu(gate) * up it replaces.
+template <Activation act, typename in_t, typename scalar_t, typename out_t>
 void epilogue(const in_t* in, const in_t* up_in, int64_t in_stride, int64_t rows,
               int64_t cols, const scalar_t* bias, const scalar_t* up_bias,
-              const scalar_t* residual, scalar_t* out, int64_t out_stride) {
+              const scalar_t* residual, out_t* out, int64_t out_stride) {
   const auto run = [&]<bool kBias, bool kResidual>() {
     epilogue_rows<act, kBias, kResidual>(in, up_in, in_stride, rows, cols, bias, up_bias,
                                          residual, out, out_stride);
@@ -95,11 +97,12 @@ void dot_rows(const void* x, const scalar_t* w, int64_t K, const int64_t (&first
 // Blocks [begin, end) of a skinny linear's kSkinnyBlock-column blocks: out[:, cols] =
 // act(x @ w[cols]^T + bias) + residual, x [kT, K] (float32, or the bfloat16 tokens themselves for
 // the kBf16Dot kernel), w [N, K] (silu_and_mul: [2N, K], gate rows then up rows), out and
-// residual [kT, N]. A thread runs blocks from distant parts of its range side by side (one
-// weight stream each), or a block's gate and up rows for silu_and_mul. residual may be out.
-template <int kT, typename scalar_t, Activation act>
+// residual [kT, N] (out in the dtype, or float32 for logits_linear). A thread runs blocks from
+// distant parts of its range side by side (one weight stream each), or a block's gate and up
+// rows for silu_and_mul. residual may be out.
+template <int kT, typename scalar_t, Activation act, typename out_t>
 void skinny_blocks(const void* x_ptr, const scalar_t* w, int64_t K, int64_t N,
-                   const scalar_t* bias, const scalar_t* residual, scalar_t* out_ptr,
+                   const scalar_t* bias, const scalar_t* residual, out_t* out_ptr,
                    int64_t begin, int64_t end) {
   constexpr int64_t B = kSkinnyBlock;
   // From 2 tokens, 4 streams share each x load: measured faster than 2 up to 8 tokens.
@@ -144,27 +147,32 @@ void skinny_blocks(const void* x_ptr, const scalar_t* w, int64_t K, int64_t N,
   }
 }
 
+// f.template operator()<kT>() for T tokens (1 to kSkinnyMaxT).
+template <typename F>
+void dispatch_skinny_tokens(int64_t T, const F& f) {
+  switch (T) {
+    case 1: return f.template operator()<1>();
+    case 2: return f.template operator()<2>();
+    case 3: return f.template operator()<3>();
+    case 4: return f.template operator()<4>();
+    case 5: return f.template operator()<5>();
+    case 6: return f.template operator()<6>();
+    case 7: return f.template operator()<7>();
+    default: return f.template operator()<8>();
+  }
+}
+
 // f.template operator()<kT, a>() for T tokens (1 to kSkinnyMaxT) and the activation act.
 template <typename F>
 void dispatch_skinny(int64_t T, Activation act, const F& f) {
-  const auto by_act = [&]<int kT>() {
+  dispatch_skinny_tokens(T, [&]<int kT>() {
     switch (act) {
       case Activation::kNone: return f.template operator()<kT, Activation::kNone>();
       case Activation::kGeluTanh: return f.template operator()<kT, Activation::kGeluTanh>();
       case Activation::kRelu: return f.template operator()<kT, Activation::kRelu>();
       case Activation::kSiluAndMul: return f.template operator()<kT, Activation::kSiluAndMul>();
     }
-  };
-  switch (T) {
-    case 1: return by_act.template operator()<1>();
-    case 2: return by_act.template operator()<2>();
-    case 3: return by_act.template operator()<3>();
-    case 4: return by_act.template operator()<4>();
-    case 5: return by_act.template operator()<5>();
-    case 6: return by_act.template operator()<6>();
-    case 7: return by_act.template operator()<7>();
-    default: return by_act.template operator()<8>();
-  }
+  });
 }
 
 // The fewest blocks worth a thread of their own, for weights of K columns.
