@@ -1,11 +1,15 @@
-"""ops.logits_linear: float32 logits from float32 accumulation, against float64 references of
-the same (bfloat16 / float16) values."""
+"""ops.logits_linear and the models' compute_logits: float32 logits from float32 accumulation,
+against float64 references of the same (bfloat16 / float16) values."""
 import pytest
 import torch
 
 import orca_ext  # noqa: F401
 import reference_ops as ref
 from orca_ext import ops
+from orca_ext.executor.graph import trace_iteration
+from orca_ext.executor.kv_cache import KVCache
+from orca_ext.model import load_model
+from orca_ext.model.layers import AttentionMetadata
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 NORM_TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 4e-3}
@@ -111,3 +115,38 @@ def test_logits_linear_errors(override, message):
         ops.logits_linear(**args)
     with pytest.raises(RuntimeError, match=message):
         ops._check_logits_inputs(**args)
+
+
+# ---------------------------------------------------------------------------- models
+
+@pytest.mark.parametrize("num_rows", [1, 5, 12, 40])
+def test_bfloat16_model_logits(num_rows):
+    """orca-tiny in bfloat16: compute_logits is the float64 product of the rows its final norm
+    gives and the lm_head, within float32 accumulation error (not rounded to bfloat16)."""
+    model = load_model("orca-tiny", dtype="bfloat16").model
+    hidden = (4 * torch.randn(50, 512, generator=torch.Generator().manual_seed(num_rows))
+              ).bfloat16()
+    indices = torch.randperm(50, generator=torch.Generator().manual_seed(1))[:num_rows]
+    with torch.inference_mode():
+        logits = model.compute_logits(hidden, indices)
+    rows = hidden[indices]
+    normed = normed_rows(rows, *model.ln_f.fused_args())
+    torch.testing.assert_close(normed.double(), model.ln_f(rows).double(), atol=3e-2, rtol=3e-2)
+    assert_float32_accumulation(logits, normed.double() @ model.lm_head.weight.double().t(),
+                                torch.bfloat16)
+
+
+def test_traced_iteration_records_logits_linear():
+    loaded = load_model("orca-tiny", dtype="bfloat16")
+    traced = trace_iteration(loaded.model, KVCache(loaded.config, 4, 4, torch.bfloat16))
+    assert traced is not None
+    assert "orca::logits_linear" in str(traced.graph.graph)
+    ids, positions = torch.tensor([65, 66, 67]), torch.arange(3)
+    meta = AttentionMetadata(torch.tensor([0, 3], dtype=torch.int32),
+                             torch.tensor([3], dtype=torch.int32),
+                             torch.tensor([[0]], dtype=torch.int32), torch.arange(3))
+    with torch.inference_mode():
+        logits = traced(ids, positions, meta, torch.tensor([1, 2]))
+    assert logits.dtype == torch.float32 and logits.shape == (2, 257)
+    # Values between bfloat16's steps: the float32 sums themselves.
+    assert (logits != logits.bfloat16().float()).float().mean() > 0.9

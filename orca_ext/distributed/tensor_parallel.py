@@ -197,7 +197,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelLMHead(nn.Module):
-    """Logits of this rank's vocab slice, all-gathered into ``[S, vocab]`` for sampling."""
+    """float32 logits of this rank's vocab slice (``ops.logits_linear``), all-gathered into
+    ``[S, vocab]`` for sampling; in the model's place of ``Linear.logits``."""
 
     def __init__(self, linear: nn.Module, vocab_size: int, group: TPGroup) -> None:
         super().__init__()
@@ -205,10 +206,9 @@ class VocabParallelLMHead(nn.Module):
             raise ValueError("a vocab-parallel lm_head has no bias or activation")
         self.weight, self.vocab_size, self.group = linear.weight, vocab_size, group
 
-    def forward(self, x: torch.Tensor, norm: LayerNorm | RMSNorm | None = None) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, norm: LayerNorm | RMSNorm | None = None) -> torch.Tensor:
         norm_args = () if norm is None else norm.fused_args()
-        parts = self.group.all_gather(ops.packed_linear(x, self.weight, None, "none", None,
-                                                        *norm_args))
+        parts = self.group.all_gather(ops.logits_linear(x, self.weight, *norm_args))
         return torch.cat(parts, dim=1)[:, :self.vocab_size]
 
 

@@ -87,8 +87,9 @@ class GPT2(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[len(indices), vocab]`` of the packed rows ``indices``."""
-        return self.lm_head(hidden.index_select(0, indices), norm=self.ln_f).float()
+        """float32 logits ``[len(indices), vocab]`` of the packed rows ``indices``, from the
+        lm_head GEMM's float32 accumulation."""
+        return self.lm_head.logits(hidden.index_select(0, indices), norm=self.ln_f)
 
 
 def hf_weight_map(config: ModelConfig) -> dict[str, HFWeight]:

@@ -67,6 +67,14 @@ class Linear(Layer):
         return ops.packed_linear(x, self.weight, self.bias, self.activation, residual,
                                  *norm_args)
 
+    def logits(self, x: torch.Tensor, norm: LayerNorm | RMSNorm | None = None) -> torch.Tensor:
+        """An output head's float32 logits ``norm(x) @ weight.T`` (``ops.logits_linear``: the
+        GEMM's float32 sums, not rounded to a bfloat16 / float16 model's dtype)."""
+        if self.bias is not None or self.activation != "none":
+            raise ValueError("logits are computed without a bias or activation")
+        norm_args = () if norm is None else norm.fused_args()
+        return ops.logits_linear(x, self.weight, *norm_args)
+
 
 class Embedding(Layer):
     def __init__(self, num_embeddings: int, dim: int) -> None:

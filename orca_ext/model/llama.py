@@ -97,8 +97,9 @@ class Llama(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[len(indices), vocab]`` of the packed rows ``indices``."""
-        return self.lm_head(hidden.index_select(0, indices), norm=self.norm).float()
+        """float32 logits ``[len(indices), vocab]`` of the packed rows ``indices``, from the
+        lm_head GEMM's float32 accumulation."""
+        return self.lm_head.logits(hidden.index_select(0, indices), norm=self.norm)
 
 
 def hf_weight_map(config: ModelConfig) -> dict[str, HFWeight]:
