@@ -2,20 +2,51 @@
 // instantiated once per dtype by attention_{bf16,fp16}.cu and kernels.cu.
 #pragma once
 
+#include <algorithm>
+#include <mutex>
 #include <type_traits>
 
 #include "orca/cuda/attention.cuh"
 
 namespace orca::cuda::attn {
 
+// Raises attention_tc_kernel<T, D, WM>'s dynamic shared-memory limit once per device, to what
+// the largest batch needs (capped at the device's opt-in limit, which the launcher checks each
+// plan against). Setting it per launch to that launch's size would let two host threads
+// interleave set(large), set(small), launch(large).
+template <typename T, int D, int WM>
+cudaError_t allow_max_dynamic_smem() {
+  constexpr int kMaxDevices = 64;
+  static std::once_flag once[kMaxDevices];
+  static cudaError_t result[kMaxDevices];
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
+  std::call_once(once[device], [device] {
+    int optin = 0;
+    cudaError_t e =
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (e == cudaSuccess) {
+      const size_t most = std::min(attention_smem_bytes(WM, D, kAttnMaxBatchTC),
+                                   static_cast<size_t>(optin));
+      e = cudaFuncSetAttribute(attention_tc_kernel<T, D, WM>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(most));
+    }
+    result[device] = e;
+  });
+  return result[device];
+}
+
 template <typename T, int D>
 cudaError_t launch_tc(const AttentionParams& p, const AttentionPlan& plan, cudaStream_t stream) {
-  auto kernel = plan.warps_m == 1 ? attention_tc_kernel<T, D, 1> : attention_tc_kernel<T, D, 4>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(plan.smem_bytes));
+  const bool decode = plan.warps_m == 1;
+  cudaError_t err = decode ? allow_max_dynamic_smem<T, D, 1>() : allow_max_dynamic_smem<T, D, 4>();
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(plan.grid_x), static_cast<unsigned>(p.num_kv_heads));
-  kernel<<<grid, kAttnThreads, plan.smem_bytes, stream>>>(p);
+  if (decode) attention_tc_kernel<T, D, 1><<<grid, kAttnThreads, plan.smem_bytes, stream>>>(p);
+  else attention_tc_kernel<T, D, 4><<<grid, kAttnThreads, plan.smem_bytes, stream>>>(p);
   err = cudaGetLastError();
   if (err != cudaSuccess || plan.max_splits <= 1) return err;
   const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_q_heads;

@@ -7,11 +7,13 @@
 //
 // The work partition is planned from shapes alone (orca::cuda::plan_attention): no device
 // tensor is read on the host, and each call is one attention launch, plus one merge launch when
-// the plan splits long KV ranges.
+// the plan splits long KV ranges. ORCA_ATTN_MAX_CTAS / ORCA_ATTN_MAX_SPLITS (read on every
+// call; for tests and debugging) cap the tensor-core grid and the KV splits.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <limits>
 
 #include "checks.h"
@@ -19,6 +21,17 @@
 
 namespace orca {
 namespace {
+
+// A debugging cap from the environment: 0 when unset or empty.
+int64_t env_cap(const char* name) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return 0;
+  char* end = nullptr;
+  const long long value = std::strtoll(text, &end, 10);
+  TORCH_CHECK(*end == '\0' && value >= 0 && value <= std::numeric_limits<int32_t>::max(),
+              "ragged_attention: ", name, " must be a non-negative integer, got '", text, "'");
+  return value;
+}
 
 at::Tensor ragged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cache,
                                  const at::Tensor& v_cache, const at::Tensor& cu_q_lens_in,
@@ -53,21 +66,26 @@ at::Tensor ragged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cac
 
   const int device = q.get_device();
   const int num_sms = cuda::device_attribute(cudaDevAttrMultiProcessorCount, device);
+  cuda::AttentionLimits limits;
+  limits.max_ctas = env_cap("ORCA_ATTN_MAX_CTAS");
+  limits.max_splits = static_cast<int32_t>(env_cap("ORCA_ATTN_MAX_SPLITS"));
   cuda::AttentionPlan plan =
       cuda::plan_attention(s.num_tokens, s.batch, s.num_q_heads, s.num_kv_heads, s.head_dim,
-                           s.block_size, s.max_blocks, dtype, aligned, num_sms);
+                           s.block_size, s.max_blocks, dtype, aligned, num_sms, limits);
   if (plan.tensor_cores &&
       plan.smem_bytes > static_cast<size_t>(cuda::device_attribute(
                             cudaDevAttrMaxSharedMemoryPerBlockOptin, device))) {
     plan = cuda::plan_attention(s.num_tokens, s.batch, s.num_q_heads, s.num_kv_heads, s.head_dim,
-                                s.block_size, s.max_blocks, dtype, /*aligned16=*/false, num_sms);
+                                s.block_size, s.max_blocks, dtype, /*aligned16=*/false, num_sms,
+                                limits);
   }
 
-  at::Tensor part_o, part_lse;
+  // Split partials: part_o [rows, D], part_lse [rows], then the merge kernel's KV chunk (an
+  // int32 in the last float) in one allocation.
+  at::Tensor workspace;
   if (plan.partial_rows > 0) {
-    const auto f32 = q.options().dtype(at::kFloat);
-    part_o = at::empty({plan.partial_rows, s.head_dim}, f32);
-    part_lse = at::empty({plan.partial_rows}, f32);
+    workspace = at::empty({plan.partial_rows * (s.head_dim + 1) + 1},
+                          q.options().dtype(at::kFloat));
   }
 
   cuda::AttentionParams p{};
@@ -77,8 +95,11 @@ at::Tensor ragged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cac
   p.k_cache = k_cache.data_ptr();
   p.v_cache = v_cache.data_ptr();
   p.out = out.data_ptr();
-  p.part_o = part_o.defined() ? part_o.data_ptr<float>() : nullptr;
-  p.part_lse = part_lse.defined() ? part_lse.data_ptr<float>() : nullptr;
+  if (workspace.defined()) {
+    p.part_o = workspace.data_ptr<float>();
+    p.part_lse = p.part_o + plan.partial_rows * s.head_dim;
+    p.split_chunk = reinterpret_cast<int32_t*>(p.part_lse + plan.partial_rows);
+  }
   p.cu_q_lens = cu_q_lens.data_ptr<int32_t>();
   p.context_lens = context_lens.data_ptr<int32_t>();
   p.block_table = block_table.data_ptr<int32_t>();
@@ -92,7 +113,6 @@ at::Tensor ragged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cac
   p.max_blocks = static_cast<int32_t>(s.max_blocks);
   p.block_shift = cuda::block_size_shift(s.block_size);
   p.max_context = cuda::attention_max_context(s.block_size, s.max_blocks);
-  p.kv_chunk = plan.kv_chunk;
   p.max_splits = plan.max_splits;
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   ORCA_CUDA_LAUNCH_CHECK(cuda::launch_ragged_attention(p, plan, dtype,

@@ -15,7 +15,8 @@
 // tiles have 64 rows (one 16-row slice per warp); decode tiles have 16 rows and the four warps
 // split every KV tile and combine at the end. A request whose KV range is split into chunks
 // writes normalized fp32 partials + log2-sum-exp, merged by merge_kernel; unsplit requests
-// write the output directly.
+// write the output directly. The chunk length is chosen on the device from the batch's longest
+// context (split_chunk), so it does not depend on how far the block table is padded.
 //
 // Metadata values are never trusted: cu_q_lens and context_lens are clamped into range, KV
 // positions past the block table are never read, and a block id outside [0, num_blocks) is not
@@ -36,17 +37,33 @@ struct Request {
 
 __device__ __forceinline__ int clamp_int(int v, int lo, int hi) { return min(max(v, lo), hi); }
 
+__device__ __forceinline__ int context_of(const AttentionParams& p, int r) {
+  return clamp_int(__ldg(p.context_lens + r), 0, p.max_context);
+}
+
 // Sanitized metadata of request r; num_splits = KV chunks of kv_chunk positions (>= 1).
-__device__ __forceinline__ Request load_request(const AttentionParams& p, int r) {
+__device__ __forceinline__ Request load_request(const AttentionParams& p, int r, int kv_chunk) {
   Request q;
   const int a = clamp_int(__ldg(p.cu_q_lens + r), 0, p.num_tokens);
   const int b = clamp_int(__ldg(p.cu_q_lens + r + 1), a, p.num_tokens);
   q.q_start = a;
   q.q_len = b - a;
-  q.ctx = clamp_int(__ldg(p.context_lens + r), 0, p.max_context);
+  q.ctx = context_of(p, r);
   q.first_pos = q.ctx - q.q_len;
-  q.num_splits = max(1, (q.ctx + p.kv_chunk - 1) / p.kv_chunk);
+  q.num_splits = max(1, (q.ctx + kv_chunk - 1) / kv_chunk);
   return q;
+}
+
+// KV positions per split, from the batch's longest context: no split up to 2 * kAttnMinChunk
+// positions, else the most chunks (up to max_splits) of at least kAttnMinChunk positions each,
+// rounded up to whole KV tiles. Every request then has at most max_splits chunks.
+__device__ __forceinline__ int split_chunk(int longest, int max_splits) {
+  int chunk = max(longest, 1);
+  if (max_splits > 1 && longest > 2 * kAttnMinChunk) {
+    const int splits = min(max_splits, longest / kAttnMinChunk);
+    chunk = (longest + splits - 1) / splits;
+  }
+  return (chunk + kAttnBlockN - 1) / kAttnBlockN * kAttnBlockN;
 }
 
 // The request whose token rows contain `token`, or -1 (binary search on the clamped offsets).
@@ -90,6 +107,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_tc_kernel(const Att
   float* sM = sO + WN * BM * LDO;
   float* sL = sM + WN * BM;
   __shared__ int sWarpSum[kAttnThreads / 32];
+  __shared__ int sWarpMax[kAttnThreads / 32];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wr = warp % WM, wc = warp / WM;
@@ -97,13 +115,32 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_tc_kernel(const Att
   const int g = p.num_q_heads / p.num_kv_heads;
   const int B = p.batch;
 
-  // 1. Items per request -> exclusive prefix sums in shared memory.
+  // Each thread owns the requests [begin, end) for the two passes over the metadata.
+  const int per = (B + kAttnThreads - 1) / kAttnThreads;
+  const int begin = min(tid * per, B), end = min(begin + per, B);
+
+  // 1. The longest context -> this launch's KV chunk (the same in every CTA); CTA (0, 0)
+  //    leaves it for the merge kernel.
+  int kv_chunk;
   {
-    const int per = (B + kAttnThreads - 1) / kAttnThreads;
-    const int begin = min(tid * per, B), end = min(begin + per, B);
+    int longest = 0;
+    for (int r = begin; r < end; ++r) longest = max(longest, context_of(p, r));
+    longest = warp_max(longest);
+    if (lane == 0) sWarpMax[warp] = longest;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < kAttnThreads / 32; ++w) longest = max(longest, sWarpMax[w]);
+    kv_chunk = split_chunk(longest, p.max_splits);
+    if (p.max_splits > 1 && blockIdx.x == 0 && blockIdx.y == 0 && tid == 0) {
+      *p.split_chunk = kv_chunk;
+    }
+  }
+
+  // 2. Items per request -> exclusive prefix sums in shared memory.
+  {
     int sum = 0;
     for (int r = begin; r < end; ++r) {
-      const Request rq = load_request(p, r);
+      const Request rq = load_request(p, r, kv_chunk);
       const int c = (rq.q_len * g + BM - 1) / BM * rq.num_splits;
       sPrefix[r] = c;
       sum += c;
@@ -133,7 +170,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_tc_kernel(const Att
   const T* v_ptr = static_cast<const T*>(p.v_cache);
 
   for (int item = blockIdx.x; item < total; item += gridDim.x) {
-    // 2. Decode the item.
+    // 3. Decode the item.
     int r = 0;
     {
       int lo = 0, hi = B - 1;
@@ -144,7 +181,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_tc_kernel(const Att
       }
       r = lo;
     }
-    const Request rq = load_request(p, r);
+    const Request rq = load_request(p, r, kv_chunk);
     const int rows = rq.q_len * g;
     const int local = item - sPrefix[r];
     const int num_tiles = (rows + BM - 1) / BM;
@@ -153,8 +190,8 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_tc_kernel(const Att
     const int m0 = tile * BM;
     const int last_row = min(m0 + BM, rows) - 1;
     const int pos_max = rq.first_pos + last_row / g;
-    const int kv_lo = split * p.kv_chunk;
-    const int kv_hi = min(min(kv_lo + p.kv_chunk, rq.ctx), pos_max + 1);
+    const int kv_lo = split * kv_chunk;
+    const int kv_hi = min(min(kv_lo + kv_chunk, rq.ctx), pos_max + 1);
     const int n_kv_tiles = kv_hi > kv_lo ? (kv_hi - kv_lo + BN - 1) / BN : 0;
     // Columns below nomask_hi are visible to every row of the tile.
     const int nomask_hi = min(kv_hi, rq.first_pos + m0 / g + 1);
@@ -163,7 +200,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_tc_kernel(const Att
 
     const int32_t* blocks = p.block_table + static_cast<int64_t>(r) * p.max_blocks;
 
-    // 3. Q tile -> smem (rows past the request read as zeros).
+    // 4. Q tile -> smem (rows past the request read as zeros).
     for (int c = tid; c < BM * CH; c += kAttnThreads) {
       const int row = c / CH, col = c % CH, gm = m0 + row;
       const bool valid = gm < rows;
@@ -322,7 +359,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_tc_kernel(const Att
     cp_async_wait<0>();
     __syncthreads();  // all warps are done with sK/sV: the epilogue overlays them
 
-    // 4. Epilogue: per-warp (m, l, unnormalized O) -> smem, then combine and store.
+    // 5. Epilogue: per-warp (m, l, unnormalized O) -> smem, then combine and store.
     if (warp_active) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
@@ -394,10 +431,11 @@ __global__ void __launch_bounds__(128) merge_kernel(const AttentionParams p) {
   const int token = static_cast<int>(row_id / p.num_q_heads);
   const int r = find_request(p, token);
   if (r < 0) return;
-  const Request rq = load_request(p, r);
+  const int kv_chunk = __ldg(p.split_chunk);
+  const Request rq = load_request(p, r, kv_chunk);
   if (rq.num_splits <= 1) return;  // written directly by the attention kernel
   const int pos = rq.first_pos + (token - rq.q_start);
-  const int nv = pos < 0 ? 0 : min(rq.num_splits, pos / p.kv_chunk + 1);
+  const int nv = pos < 0 ? 0 : min(rq.num_splits, pos / kv_chunk + 1);
   const int64_t prow0 = row_id * p.max_splits;
   // Splits s = lane and lane + 32 (kAttnMaxSplits <= 64).
   float lse0 = lane < nv ? p.part_lse[prow0 + lane] : neg_inf();
@@ -450,7 +488,7 @@ __global__ void __launch_bounds__(128) attention_simple_kernel(const AttentionPa
   const int g = p.num_q_heads / p.num_kv_heads, h = hq / g, D = p.head_dim;
   const int r = find_request(p, token);
   if (r < 0) return;
-  const Request rq = load_request(p, r);
+  const Request rq = load_request(p, r, max(p.max_context, 1));  // one split
   const int pos = rq.first_pos + (token - rq.q_start);
   const int kv_end = min(pos + 1, rq.ctx);
   const T* qrow = static_cast<const T*>(p.q) + static_cast<int64_t>(token) * p.q_stride_token +

@@ -39,6 +39,7 @@ struct AttentionParams {
   void* out;            // [T, Hq, D] contiguous
   float* part_o;        // [T * Hq * max_splits, D]   split partials (normalized), or null
   float* part_lse;      // [T * Hq * max_splits]      their log2-sum-exp, or null
+  int32_t* split_chunk; // [1] the KV chunk the attention kernel chose, for the merge kernel
   const int32_t* cu_q_lens;     // [B + 1]
   const int32_t* context_lens;  // [B]
   const int32_t* block_table;   // [B, max_blocks]
@@ -46,20 +47,29 @@ struct AttentionParams {
   int32_t num_tokens, batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks;
   int32_t block_shift;  // log2(block_size) when it is a power of two, else -1
   int32_t max_context; // attention_max_context(): context_lens are clamped to [0, max_context]
-  int32_t kv_chunk;    // KV positions per split (a multiple of kAttnBlockN)
-  int32_t max_splits;  // ceil(max_blocks * block_size / kv_chunk); 1 = no split, no merge
+  int32_t max_splits;  // most KV splits of one request (plan); 1 = no split, no merge
   float scale_log2;    // softmax scale * log2(e)
 };
 
 // How one call is partitioned: computed from shapes only (no device reads), so the launch
-// sequence is fixed for fixed shapes and can be captured in a CUDA graph.
+// sequence is fixed for fixed shapes and can be captured in a CUDA graph. The KV chunk length
+// is chosen on the device from the longest context of the batch (attention.cuh: split_chunk),
+// so a block table padded past the contexts (as for CUDA graphs) only bounds max_splits.
 struct AttentionPlan {
   bool tensor_cores = false;  // false: the simple CUDA-core kernel (fp32, odd head dims)
   int warps_m = 4;            // query-row warps per CTA: 4 (prefill, 64 rows) or 1 (decode, 16)
-  int32_t kv_chunk = 0, max_splits = 1;
+  int32_t max_splits = 1;     // most KV splits of one request
   int64_t grid_x = 0;         // CTAs per KV head (they loop over the device-side work list)
   size_t smem_bytes = 0;
   int64_t partial_rows = 0;   // rows of part_o / part_lse (0 when max_splits == 1)
+};
+
+// Debugging caps on the plan (0 = none): the launcher reads them from ORCA_ATTN_MAX_CTAS and
+// ORCA_ATTN_MAX_SPLITS, so tests can make small batches loop over many items per CTA, or run
+// long contexts unsplit.
+struct AttentionLimits {
+  int64_t max_ctas = 0;    // CTAs per KV head of the tensor-core kernel
+  int32_t max_splits = 0;  // KV splits of one request
 };
 
 inline size_t attention_smem_bytes(int warps_m, int head_dim, int batch) {
@@ -83,12 +93,13 @@ inline int32_t attention_max_context(int64_t block_size, int64_t max_blocks) {
 
 inline AttentionPlan plan_attention(int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                                     int64_t block_size, int64_t max_blocks, DType dtype,
-                                    bool aligned16, int num_sms) {
+                                    bool aligned16, int num_sms,
+                                    const AttentionLimits& limits = {}) {
   AttentionPlan p;
-  const int64_t ctx_max = std::max<int64_t>(1, attention_max_context(block_size, max_blocks));
+  // The block table's capacity bounds the contexts (the kernel clamps them to it).
+  const int64_t ctx_cap = std::max<int64_t>(1, attention_max_context(block_size, max_blocks));
   p.tensor_cores = dtype != DType::kFloat32 && attention_tc_head_dim(static_cast<int>(D)) &&
                    B <= kAttnMaxBatchTC && aligned16;
-  p.kv_chunk = static_cast<int32_t>(div_up(ctx_max, kAttnBlockN) * kAttnBlockN);
   if (!p.tensor_cores) {
     p.grid_x = div_up(T * Hq, kAttnThreads / 32);
     return p;
@@ -103,22 +114,21 @@ inline AttentionPlan plan_attention(int64_t T, int64_t B, int64_t Hq, int64_t Hk
       1, std::min(div_up(T * g, bm) + B, T * div_up(g, bm)));
   const int64_t base = tiles * Hkv, target = 4 * static_cast<int64_t>(num_sms);
   int64_t splits = 1;
-  if (base < target && ctx_max > 2 * kAttnMinChunk) {
-    splits = std::min({div_up(target, base), ctx_max / kAttnMinChunk,
+  if (base < target && ctx_cap > 2 * kAttnMinChunk) {
+    splits = std::min({div_up(target, base), ctx_cap / kAttnMinChunk,
                        static_cast<int64_t>(kAttnMaxSplits)});
     // Keep the fp32 partials within 256 MiB.
     const int64_t per_split = T * Hq * (D + 1) * 4;
     splits = std::max<int64_t>(1, std::min(splits, (int64_t{256} << 20) / per_split));
   }
-  if (splits > 1) {
-    p.kv_chunk = static_cast<int32_t>(div_up(div_up(ctx_max, splits), kAttnBlockN) * kAttnBlockN);
-    p.max_splits = static_cast<int32_t>(div_up(ctx_max, p.kv_chunk));
-  }
+  if (limits.max_splits > 0) splits = std::min<int64_t>(splits, limits.max_splits);
+  p.max_splits = static_cast<int32_t>(splits);
   if (p.max_splits > 1) p.partial_rows = T * Hq * p.max_splits;
   const int64_t items = tiles * p.max_splits;
   // About 8 CTAs per SM in all (2-3 resident waves): each CTA rebuilds the per-request prefix
   // once, then loops over its items.
   p.grid_x = std::max<int64_t>(1, std::min(items, div_up(8 * int64_t{num_sms}, Hkv)));
+  if (limits.max_ctas > 0) p.grid_x = std::min(p.grid_x, limits.max_ctas);
   p.smem_bytes = attention_smem_bytes(p.warps_m, static_cast<int>(D), static_cast<int>(B));
   return p;
 }
