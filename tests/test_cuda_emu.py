@@ -3,13 +3,18 @@
 tests/cuda_emu/emu_test.cpp compiles the torch-free kernel headers (csrc/include/orca/cuda/)
 with the host C++ compiler against a SIMT emulation (tests/cuda_emu/orca_cuda_emulate.h: one OS
 thread per CUDA thread, warp collectives - shuffles, ldmatrix, mma.sync m16n8k16 - computed as
-the PTX ISA specifies, deferred cp.async) and compares every attention path (tensor-core prefill
-and decode tiles, split-KV + merge, the simple kernel), store_kv and the linear epilogue kernels
-with float64 references. This checks indexing, fragment layouts, masking and the work partition
-on machines without a GPU; it says nothing about speed. Needs the CUDA headers (cuda_bf16.h),
+the PTX ISA specifies, deferred cp.async, 16-byte alignment of cp.async / ldmatrix addresses
+checked) and compares every attention path (tensor-core prefill and decode tiles, split-KV +
+merge, the simple kernel), store_kv and the linear epilogue kernels with float64 references;
+``attention_items`` runs batches of over 128 requests on grids capped to a few CTAs and checks
+that neither the grid nor a padded block table changes an output bit. This checks indexing,
+fragment layouts, masking and the work partition on machines without a GPU; it says nothing
+about speed. Needs the CUDA headers (cuda_bf16.h),
 found through CUDA_HOME, nvcc or the pip nvidia packages; skipped without them.
-ORCA_EMU_SANITIZE=1 builds with AddressSanitizer/UBSan (slower), which also turns the
-garbage-metadata cases into out-of-bounds checks.
+ORCA_EMU_SANITIZE=1 (or ``address``) builds with AddressSanitizer/UBSan (slower), which also
+turns the garbage-metadata cases into out-of-bounds checks; ORCA_EMU_SANITIZE=thread builds with
+ThreadSanitizer, which reports shared-memory accesses of two emulated CUDA threads that no
+barrier orders (a missing __syncthreads).
 """
 import glob
 import os
@@ -63,8 +68,13 @@ def emu_binary(tmp_path_factory) -> Path:
         pytest.skip("needs the CUDA headers (cuda_bf16.h) and a C++20 compiler")
     out = tmp_path_factory.mktemp("cuda_emu") / "emu_test"
     flags = ["-O1", "-pthread"]
-    if os.environ.get("ORCA_EMU_SANITIZE") == "1":
+    sanitize = os.environ.get("ORCA_EMU_SANITIZE", "")
+    if sanitize in ("1", "address"):
         flags += ["-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
+    elif sanitize == "thread":
+        flags += ["-g", "-fsanitize=thread"]
+    elif sanitize not in ("", "0"):
+        raise ValueError(f"ORCA_EMU_SANITIZE must be 1, address or thread, got {sanitize!r}")
     cmd = [cxx, "-std=c++20", *flags, "-DORCA_CUDA_EMULATE", f"-I{HERE / 'cuda_emu'}",
            f"-I{ROOT / 'csrc' / 'include'}", f"-I{inc}", str(HERE / "cuda_emu" / "emu_test.cpp"),
            "-o", str(out)]
@@ -73,7 +83,7 @@ def emu_binary(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("suite", ["attention", "store_kv", "linear"])
+@pytest.mark.parametrize("suite", ["attention", "attention_items", "store_kv", "linear"])
 def test_cuda_kernels_emulated(emu_binary, suite):
     res = subprocess.run([str(emu_binary), suite], capture_output=True, text=True, timeout=1200)
     failures = [line for line in res.stdout.splitlines() if line.startswith("FAIL")]

@@ -1,9 +1,11 @@
 // Executes the orca CUDA kernels (csrc/include/orca/cuda/*.cuh) on the CPU through the SIMT
 // emulation in orca_cuda_emulate.h and compares them with double-precision references.
 // Built and run by tests/test_cuda_emu.py; exits non-zero on a mismatch.
-//   emu_test [attention|store_kv|linear|all]
+//   emu_test [attention|attention_items|store_kv|linear|all]
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -59,6 +61,8 @@ struct AttnCase {
   int num_sms;
   bool bad_block = false;  // put an out-of-range id in a used block_table entry
   bool corrupt = false;    // garbage metadata: only memory safety is checked (run under ASan)
+  int table_pad = 0;       // junk block-table columns past the longest context (as for graphs)
+  AttentionLimits limits{};  // grid / split caps (ORCA_ATTN_MAX_CTAS / ORCA_ATTN_MAX_SPLITS)
 };
 
 template <typename T, int D>
@@ -97,134 +101,211 @@ void run_attention(const AttentionParams& p, const AttentionPlan& plan) {
                    [&] { attn::attention_simple_kernel<T>(p); });
 }
 
+// One case's inputs, built once so that several plans can run on the same data.
 template <typename T>
-void test_attention(const AttnCase& c, const std::string& label) {
-  const int B = static_cast<int>(c.q_lens.size());
-  const int Hq = c.Hq, Hkv = c.Hkv, D = c.D, bs = c.block_size, g = Hq / Hkv;
-  std::vector<int> cu(B + 1, 0);
-  for (int r = 0; r < B; ++r) cu[r + 1] = cu[r] + c.q_lens[r];
-  const int T_ = cu[B];
-  int max_blocks = 1, total_blocks = 0;
+struct AttnData {
+  int B = 0, T_ = 0, max_blocks = 1, NB = 0, q_heads_stride = 0, bad_r = -1;
+  std::vector<int> cu, ctx;
+  std::vector<int32_t> table;
+  std::vector<T> q, k, v;
+  float scale = 0;
+};
+
+template <typename T>
+AttnData<T> make_attention_data(const AttnCase& c) {
+  AttnData<T> d;
+  d.B = static_cast<int>(c.q_lens.size());
+  const int B = d.B, bs = c.block_size;
+  d.cu.assign(B + 1, 0);
+  for (int r = 0; r < B; ++r) d.cu[r + 1] = d.cu[r] + c.q_lens[r];
+  d.T_ = d.cu[B];
+  int total_blocks = 0;
   for (int r = 0; r < B; ++r) {
     const int nb = (c.ctx[r] + bs - 1) / bs;
-    max_blocks = std::max(max_blocks, nb);
+    d.max_blocks = std::max(d.max_blocks, nb);
     total_blocks += nb;
   }
-  const int NB = total_blocks + c.extra_blocks;
+  d.max_blocks += c.table_pad;
+  d.NB = total_blocks + c.extra_blocks;
   // Physical blocks: a random permutation handed out in order.
-  std::vector<int> perm(NB);
-  for (int i = 0; i < NB; ++i) perm[i] = i;
+  std::vector<int> perm(d.NB);
+  for (int i = 0; i < d.NB; ++i) perm[i] = i;
   std::shuffle(perm.begin(), perm.end(), g_rng);
-  std::vector<int32_t> table(static_cast<size_t>(B) * max_blocks, -7);  // unused: junk ids
+  d.table.assign(static_cast<size_t>(B) * d.max_blocks, -7);  // unused: junk ids
   int next = 0;
   for (int r = 0; r < B; ++r) {
     const int nb = (c.ctx[r] + bs - 1) / bs;
-    for (int j = 0; j < nb; ++j) table[r * max_blocks + j] = perm[next++];
+    for (int j = 0; j < nb; ++j) d.table[r * d.max_blocks + j] = perm[next++];
   }
-  int bad_r = -1, bad_j = -1;
   if (c.bad_block) {
-    bad_r = B - 1;
-    bad_j = 0;
-    table[bad_r * max_blocks + bad_j] = NB + 1000;
+    d.bad_r = B - 1;
+    d.table[d.bad_r * d.max_blocks] = d.NB + 1000;
   }
-  std::vector<int> ctx = c.ctx;
+  d.ctx = c.ctx;
   if (c.corrupt) {  // contexts past the table, negative, offsets past T, q_len > ctx, bad ids
-    ctx[0] = 1 << 29;
-    if (B > 1) ctx[1] = -5;
-    cu[1] = T_ + 100;
-    if (B > 2) cu[2] = 1;
-    table[0] = NB + 5;
-    table[max_blocks - 1] = -100;
+    d.ctx[0] = 1 << 29;
+    if (B > 1) d.ctx[1] = -5;
+    d.cu[1] = d.T_ + 100;
+    if (B > 2) d.cu[2] = 1;
+    d.table[0] = d.NB + 5;
+    d.table[d.max_blocks - 1] = -100;
   }
   // q is a strided view: rows of [Hq + 2 Hkv] heads (like a fused QKV projection).
-  const int q_heads_stride = Hq + 2 * Hkv;
-  std::vector<T> qbuf(static_cast<size_t>(T_) * q_heads_stride * D);
-  for (auto& v : qbuf) v = cast<T>(uniform(-1.f, 1.f));
-  std::vector<T> kc(static_cast<size_t>(NB) * bs * Hkv * D), vc(kc.size());
-  for (auto& v : kc) v = cast<T>(uniform(-1.f, 1.f));
-  for (auto& v : vc) v = cast<T>(uniform(-1.f, 1.f));
-  const float scale = 1.f / std::sqrt(static_cast<float>(D)) * 2.f;  // peakier softmax
+  d.q_heads_stride = c.Hq + 2 * c.Hkv;
+  d.q.resize(static_cast<size_t>(d.T_) * d.q_heads_stride * c.D);
+  for (auto& x : d.q) x = cast<T>(uniform(-1.f, 1.f));
+  d.k.resize(static_cast<size_t>(d.NB) * bs * c.Hkv * c.D);
+  d.v.resize(d.k.size());
+  for (auto& x : d.k) x = cast<T>(uniform(-1.f, 1.f));
+  for (auto& x : d.v) x = cast<T>(uniform(-1.f, 1.f));
+  d.scale = 1.f / std::sqrt(static_cast<float>(c.D)) * 2.f;  // peakier softmax
+  return d;
+}
 
-  const bool tc_dtype = !std::is_same_v<T, float>;
-  AttentionPlan plan = plan_attention(T_, B, Hq, Hkv, D, bs, max_blocks, dtype_of<T>(),
-                                      /*aligned16=*/true, c.num_sms);
-  std::vector<T> out(static_cast<size_t>(T_) * Hq * D, cast<T>(NAN));
-  std::vector<float> part_o(static_cast<size_t>(plan.partial_rows) * D, NAN),
-      part_lse(plan.partial_rows, NAN);
+// Runs the kernels as the launcher would for `limits`; returns the output and the plan.
+template <typename T>
+std::vector<T> run_attention_case(const AttnCase& c, const AttnData<T>& d,
+                                  const AttentionLimits& limits, AttentionPlan* plan_out) {
+  const AttentionPlan plan =
+      plan_attention(d.T_, d.B, c.Hq, c.Hkv, c.D, c.block_size, d.max_blocks, dtype_of<T>(),
+                     /*aligned16=*/true, c.num_sms, limits);
+  std::vector<T> out(static_cast<size_t>(d.T_) * c.Hq * c.D, cast<T>(NAN));
+  // The launcher's workspace: part_o, part_lse, then the KV chunk (poisoned with NaNs).
+  std::vector<float> work(static_cast<size_t>(plan.partial_rows) * (c.D + 1) + 1, NAN);
   AttentionParams p{};
-  p.q = qbuf.data();
-  p.q_stride_token = static_cast<int64_t>(q_heads_stride) * D;
-  p.q_stride_head = D;
-  p.k_cache = kc.data();
-  p.v_cache = vc.data();
+  p.q = d.q.data();
+  p.q_stride_token = static_cast<int64_t>(d.q_heads_stride) * c.D;
+  p.q_stride_head = c.D;
+  p.k_cache = d.k.data();
+  p.v_cache = d.v.data();
   p.out = out.data();
-  p.part_o = part_o.data();
-  p.part_lse = part_lse.data();
-  p.cu_q_lens = cu.data();
-  p.context_lens = ctx.data();
-  p.block_table = table.data();
-  p.num_blocks = NB;
-  p.num_tokens = T_;
-  p.batch = B;
-  p.num_q_heads = Hq;
-  p.num_kv_heads = Hkv;
-  p.head_dim = D;
-  p.block_size = bs;
-  p.max_blocks = max_blocks;
-  p.block_shift = block_size_shift(bs);
-  p.max_context = attention_max_context(bs, max_blocks);
-  p.kv_chunk = plan.kv_chunk;
-  p.max_splits = plan.max_splits;
-  p.scale_log2 = scale * 1.4426950408889634f;
-  run_attention<T>(p, plan);
-
-  if (c.corrupt) {
-    report("attention " + std::string(name_of<T>()) + " " + label + " (ran; memory safety only)",
-           0, 0);
-    return;
+  if (plan.partial_rows > 0) {
+    p.part_o = work.data();
+    p.part_lse = p.part_o + plan.partial_rows * c.D;
+    p.split_chunk = reinterpret_cast<int32_t*>(p.part_lse + plan.partial_rows);
   }
-  // Reference (double), skipping positions of the bad block (they must not crash; their value
-  // is unspecified, so requests touching it are not compared).
+  p.cu_q_lens = d.cu.data();
+  p.context_lens = d.ctx.data();
+  p.block_table = d.table.data();
+  p.num_blocks = d.NB;
+  p.num_tokens = d.T_;
+  p.batch = d.B;
+  p.num_q_heads = c.Hq;
+  p.num_kv_heads = c.Hkv;
+  p.head_dim = c.D;
+  p.block_size = c.block_size;
+  p.max_blocks = d.max_blocks;
+  p.block_shift = block_size_shift(c.block_size);
+  p.max_context = attention_max_context(c.block_size, d.max_blocks);
+  p.max_splits = plan.max_splits;
+  p.scale_log2 = d.scale * 1.4426950408889634f;
+  run_attention<T>(p, plan);
+  if (plan_out != nullptr) *plan_out = plan;
+  return out;
+}
+
+// Largest |out - reference| over the compared requests (those without the bad block);
+// infinity when an output is not finite.
+template <typename T>
+double attention_error(const AttnCase& c, const AttnData<T>& d, const std::vector<T>& out) {
+  const int g = c.Hq / c.Hkv, bs = c.block_size, D = c.D;
   double max_err = 0;
-  bool finite = true;
-  for (int r = 0; r < B; ++r) {
-    if (r == bad_r) continue;
+  for (int r = 0; r < d.B; ++r) {
+    if (r == d.bad_r) continue;
     for (int i = 0; i < c.q_lens[r]; ++i) {
-      const int t = cu[r] + i, pos = c.ctx[r] - c.q_lens[r] + i;
-      for (int hq = 0; hq < Hq; ++hq) {
+      const int t = d.cu[r] + i, pos = c.ctx[r] - c.q_lens[r] + i;
+      for (int hq = 0; hq < c.Hq; ++hq) {
         const int h = hq / g;
-        const T* qrow = qbuf.data() + (static_cast<size_t>(t) * q_heads_stride + hq) * D;
+        const T* qrow = d.q.data() + (static_cast<size_t>(t) * d.q_heads_stride + hq) * D;
         std::vector<double> s(pos + 1);
         double mx = -1e300;
         for (int j = 0; j <= pos; ++j) {
-          const int blk = table[r * max_blocks + j / bs];
-          const T* krow = kc.data() + ((static_cast<size_t>(blk) * bs + j % bs) * Hkv + h) * D;
+          const int blk = d.table[r * d.max_blocks + j / bs];
+          const T* krow = d.k.data() + ((static_cast<size_t>(blk) * bs + j % bs) * c.Hkv + h) * D;
           double dot = 0;
-          for (int d = 0; d < D; ++d) dot += static_cast<double>(back(qrow[d])) * back(krow[d]);
-          s[j] = dot * scale;
+          for (int e = 0; e < D; ++e) dot += static_cast<double>(back(qrow[e])) * back(krow[e]);
+          s[j] = dot * d.scale;
           mx = std::max(mx, s[j]);
         }
         double l = 0;
         for (int j = 0; j <= pos; ++j) l += (s[j] = std::exp(s[j] - mx));
-        for (int d = 0; d < D; ++d) {
+        for (int e = 0; e < D; ++e) {
           double o = 0;
           for (int j = 0; j <= pos; ++j) {
-            const int blk = table[r * max_blocks + j / bs];
-            o += s[j] * back(vc[((static_cast<size_t>(blk) * bs + j % bs) * Hkv + h) * D + d]);
+            const int blk = d.table[r * d.max_blocks + j / bs];
+            o += s[j] * back(d.v[((static_cast<size_t>(blk) * bs + j % bs) * c.Hkv + h) * D + e]);
           }
-          const float got = back(out[(static_cast<size_t>(t) * Hq + hq) * D + d]);
-          if (!std::isfinite(got)) finite = false;
+          const float got = back(out[(static_cast<size_t>(t) * c.Hq + hq) * D + e]);
+          if (!std::isfinite(got)) return INFINITY;
           max_err = std::max(max_err, std::abs(got - o / l));
         }
       }
     }
   }
-  char buf[256];
-  std::snprintf(buf, sizeof buf, "attention %s %s D=%d Hq=%d Hkv=%d bs=%d B=%d T=%d %s%s splits=%d",
-                name_of<T>(), label.c_str(), D, Hq, Hkv, bs, B, T_,
+  return max_err;
+}
+
+template <typename T>
+std::string plan_label(const AttnCase& c, const AttnData<T>& d, const AttentionPlan& plan) {
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "D=%d Hq=%d Hkv=%d bs=%d B=%d T=%d %s%s splits<=%d grid=%lld",
+                c.D, c.Hq, c.Hkv, c.block_size, d.B, d.T_,
                 plan.tensor_cores ? (plan.warps_m == 1 ? "tc-decode" : "tc-prefill") : "simple",
-                tc_dtype && !plan.tensor_cores ? "(!)" : "", plan.max_splits);
-  report(buf, finite ? max_err : INFINITY, tolerance<T>());
+                !std::is_same_v<T, float> && !plan.tensor_cores ? "(!)" : "", plan.max_splits,
+                static_cast<long long>(plan.grid_x));
+  return buf;
+}
+
+template <typename T>
+void test_attention(const AttnCase& c, const std::string& label) {
+  const AttnData<T> d = make_attention_data<T>(c);
+  AttentionPlan plan;
+  const std::vector<T> out = run_attention_case(c, d, c.limits, &plan);
+  const std::string what = "attention " + std::string(name_of<T>()) + " " + label + " ";
+  if (c.corrupt) {
+    report(what + "(ran; memory safety only)", 0, 0);
+    return;
+  }
+  // Positions of the bad block must not crash; their value is unspecified, so requests
+  // touching it are not compared.
+  report(what + plan_label(c, d, plan), attention_error(c, d, out), tolerance<T>());
+}
+
+// The work partition must not change a single output bit: the same data through a padded
+// block table, a capped grid (several items per CTA, in another order) and the uncapped plan.
+// Each item is computed by one CTA alone, so any difference would be a race or a partition bug.
+template <typename T>
+void test_attention_partition_invariance(AttnCase c, const std::string& label,
+                                         std::vector<int64_t> grid_caps) {
+  const AttnData<T> d = make_attention_data<T>(c);
+  AttentionPlan plan;
+  const std::vector<T> base = run_attention_case(c, d, {}, &plan);
+  report("attention " + std::string(name_of<T>()) + " " + label + " " + plan_label(c, d, plan),
+         attention_error(c, d, base), tolerance<T>());
+  const auto bits_differ = [&](const std::vector<T>& other) {
+    return std::memcmp(other.data(), base.data(), base.size() * sizeof(T)) != 0;
+  };
+  for (int64_t cap : grid_caps) {
+    AttentionPlan capped;
+    const std::vector<T> out = run_attention_case(c, d, {cap, 0}, &capped);
+    report("attention " + std::string(name_of<T>()) + " " + label + " grid " +
+               std::to_string(capped.grid_x) + " == uncapped bit for bit",
+           bits_differ(out) ? 1.0 : 0.0, 0);
+  }
+  // The same requests through a table padded with junk columns: same chunks, same bits.
+  AttnCase padded = c;
+  padded.table_pad = 300;
+  AttnData<T> dp = d;
+  dp.max_blocks = d.max_blocks + padded.table_pad;
+  dp.table.assign(static_cast<size_t>(d.B) * dp.max_blocks, 123456);
+  for (int r = 0; r < d.B; ++r)
+    std::copy(d.table.begin() + r * d.max_blocks, d.table.begin() + (r + 1) * d.max_blocks,
+              dp.table.begin() + r * dp.max_blocks);
+  AttentionPlan wide;
+  const std::vector<T> out = run_attention_case(padded, dp, {}, &wide);
+  report("attention " + std::string(name_of<T>()) + " " + label + " table +300 columns (splits<=" +
+             std::to_string(wide.max_splits) + ") == tight bit for bit",
+         bits_differ(out) ? 1.0 : 0.0, 0);
 }
 
 template <typename T>
@@ -233,6 +314,11 @@ void attention_suite() {
   test_attention<T>({8, 2, 64, 3, 2, {37, 1, 1, 70, 1}, {37, 90, 5, 200, 260}, 1}, "mixed");
   // Decode batch, long contexts: split KV + merge.
   test_attention<T>({4, 1, 128, 16, 0, {1, 1, 1}, {700, 1300, 40}, 132}, "decode-split");
+  // The same unsplit (ORCA_ATTN_MAX_SPLITS=1) and on a one-CTA grid (ORCA_ATTN_MAX_CTAS=1).
+  test_attention<T>({4, 1, 128, 16, 0, {1, 1, 1}, {700, 1300, 40}, 132, false, false, 0, {0, 1}},
+                    "decode no-split");
+  test_attention<T>({4, 1, 128, 16, 0, {1, 1, 1}, {700, 1300, 40}, 132, false, false, 0, {1, 0}},
+                    "decode-split one CTA");
   // Prefill with KV already cached (chunked prefill) split over KV, block_size 1.
   test_attention<T>({2, 2, 96, 1, 5, {20, 3}, {600, 530}, 132}, "prefill-split bs=1");
   // Head dims 32 and 80, MQA group of 8, mixed.
@@ -243,10 +329,34 @@ void attention_suite() {
   test_attention<T>({4, 2, 64, 16, 0, {3, 1}, {40, 300}, 132, true}, "bad block id");
   // MQA decode with a group larger than a decode tile (two 16-row tiles per request).
   test_attention<T>({32, 1, 64, 16, 0, {1, 1}, {90, 600}, 132}, "mqa decode g=32");
+  // A short decode behind a block table padded far past it (as for CUDA graphs): the chunk
+  // follows the contexts, not the table.
+  test_attention<T>({4, 1, 64, 16, 0, {1, 1}, {600, 20}, 132, false, false, 2000}, "padded table");
+  // Empty requests (q_len 0, or context 0 as in padded graph batches) between real ones.
+  test_attention<T>({4, 2, 64, 16, 0, {1, 0, 1, 2}, {33, 0, 1, 700}, 132}, "empty requests");
   // Garbage metadata on every path.
   test_attention<T>({4, 2, 64, 16, 0, {3, 1, 2}, {40, 300, 2}, 132, false, true}, "corrupt decode");
   test_attention<T>({4, 1, 64, 4, 0, {70, 1, 30}, {70, 900, 40}, 132, false, true}, "corrupt prefill");
   test_attention<T>({4, 1, 64, 4, 0, {70, 1, 30}, {70, 900, 40}, 1, false, true}, "corrupt no-split");
+}
+
+// Batches past one request per thread (B > 128: the prefix scan's multi-request ranges) and
+// many items per CTA, for one dtype (the emulator runs 128 OS threads per CTA).
+void attention_many_items_suite() {
+  std::vector<int> q1(300, 1), ctx300(300);
+  for (int r = 0; r < 300; ++r) ctx300[r] = 1 + (r * 37) % 90;
+  ctx300[7] = 900;  // one long request: splits in a batch of short ones
+  test_attention_partition_invariance<__nv_bfloat16>({2, 1, 32, 16, 0, q1, ctx300, 1},
+                                                     "B=300 decode", {1, 7});
+  std::vector<int> q129(129, 1), ctx129(129, 5);
+  q129[128] = 40;
+  ctx129[128] = 600;
+  test_attention_partition_invariance<__half>({4, 1, 32, 8, 0, q129, ctx129, 132},
+                                              "B=129 decode+prefill", {2});
+  test_attention_partition_invariance<__nv_bfloat16>(
+      {4, 2, 64, 16, 0, {1, 1, 1}, {700, 1300, 40}, 132}, "decode-split", {1, 3});
+  test_attention_partition_invariance<__nv_bfloat16>(
+      {8, 2, 64, 16, 0, {100, 1, 70}, {100, 520, 300}, 132}, "prefill", {1, 2});
 }
 
 // ---- store_kv ----------------------------------------------------------------------------------
@@ -402,6 +512,7 @@ int main(int argc, char** argv) {
     test_attention<float>({4, 2, 48, 5, 0, {6, 1}, {30, 70}, 132}, "fp32 simple");
     test_attention<__nv_bfloat16>({2, 1, 40, 4, 0, {3, 1}, {20, 50}, 132}, "odd D -> simple");
   }
+  if (which == "attention_items" || which == "all") attention_many_items_suite();
   if (which == "store_kv" || which == "all") {
     for (int vb : {16, 8, 4, 2}) test_store_kv<__nv_bfloat16>(vb);
     test_store_kv<float>(16);

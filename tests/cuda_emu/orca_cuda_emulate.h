@@ -8,6 +8,7 @@
 // for them (fragment layouts of ldmatrix / ldmatrix.trans / mma.m16n8k16). cp.async copies are
 // deferred until the matching cp.async.wait_group, so a kernel that reads shared memory before
 // waiting sees stale data. Shared memory starts filled with 0xFF bytes (NaN for floats).
+// Misaligned cp.async / ldmatrix addresses, which fault on a GPU, abort with a message.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -18,6 +19,8 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -41,6 +44,14 @@
 #define __align__(n) alignas(n)
 
 namespace orca_emu {
+
+// What the hardware would reject with a misaligned-address fault: report and stop.
+inline void require_aligned16(const void* ptr, const char* what) {
+  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) {
+    std::fprintf(stderr, "emulated CUDA fault: %s address %p is not 16-byte aligned\n", what, ptr);
+    std::abort();
+  }
+}
 
 struct WarpShared {
   std::barrier<> bar{32};
@@ -192,6 +203,8 @@ namespace orca::cuda {
 inline float fast_exp2(float x) { return std::exp2(x); }
 
 inline void cp_async16(void* smem, const void* gmem, bool valid) {
+  orca_emu::require_aligned16(smem, "cp.async shared");
+  orca_emu::require_aligned16(gmem, "cp.async global");
   orca_emu::tls.open_group.push_back({smem, gmem, valid});
 }
 inline void cp_async_commit() {
@@ -216,6 +229,7 @@ inline void cp_async_wait() {
 inline void ldmatrix_impl(uint32_t (&r)[4], const void* smem, bool trans) {
   orca_emu::WarpShared& w = orca_emu::warp();
   const int t = orca_emu::lane_id();
+  orca_emu::require_aligned16(smem, trans ? "ldmatrix.trans row" : "ldmatrix row");
   w.ptr[t] = smem;
   w.bar.arrive_and_wait();
   for (int j = 0; j < 4; ++j) {
