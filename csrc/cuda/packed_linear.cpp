@@ -5,26 +5,39 @@
 //  - otherwise cuBLASLt (torch's handle) with the bias/activation in its epilogue
 //    (CUBLASLT_EPILOGUE_BIAS / GELU[_BIAS] / RELU[_BIAS]); silu_and_mul runs the GEMM (bias in
 //    the epilogue) into a [T, 2I] buffer and one vectorized silu(gate) * up kernel. If cuBLASLt
-//    finds no algorithm for an epilogue, the GEMM runs plain and an elementwise kernel applies
-//    bias and activation.
+//    finds no algorithm for an epilogue (or refuses it at run time), the GEMM runs plain and an
+//    elementwise kernel applies bias and activation. Descriptors and algorithms are cached per
+//    shape and host thread; the workspace is torch's per-stream cuBLASLt workspace.
 #include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cublasLt.h>
 #include <torch/library.h>
 
+#if __has_include(<torch/headeronly/version.h>)
+#include <torch/headeronly/version.h>
+#elif __has_include(<torch/version.h>)
+#include <torch/version.h>
+#endif
+
 #include <cstdlib>
 #include <map>
-#include <mutex>
+#include <memory>
 #include <tuple>
+#include <type_traits>
+
+// at::cuda::getCUDABlasLtWorkspace() (torch's per-stream workspace) exists from torch 2.7.
+#if defined(TORCH_VERSION_MAJOR) && (TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 7)
+#define ORCA_TORCH_LT_WORKSPACE 1
+#else
+#define ORCA_TORCH_LT_WORKSPACE 0
+#endif
 
 #include "checks.h"
 #include "cuda/common.h"
 
 namespace orca {
 namespace {
-
-constexpr size_t kLtWorkspaceBytes = size_t{8} << 20;
 
 int skinny_max_t() {
   static const int value = [] {
@@ -33,6 +46,13 @@ int skinny_max_t() {
     return std::max(0, std::min(v, cuda::kSkinnyMaxT));
   }();
   return value;
+}
+
+// ORCA_LINEAR_NO_EPILOGUE=1 (read on every call; for tests and debugging) runs the fallback a
+// missing cuBLASLt epilogue takes: a plain GEMM, then the elementwise bias/activation kernel.
+bool epilogue_disabled() {
+  const char* env = std::getenv("ORCA_LINEAR_NO_EPILOGUE");
+  return env != nullptr && env[0] == '1' && env[1] == '\0';
 }
 
 #define ORCA_LT_CHECK(expr)                                                                 \
@@ -49,13 +69,17 @@ int alignment(const void* ptr) {
   return align;
 }
 
-// cuBLASLt objects that free themselves.
-struct LtDesc {
+// One GEMM shape's cuBLASLt descriptors and algorithm, created on first use. Each host thread
+// keeps its own (the bias pointer is set on the descriptor per call), so no lock is taken.
+struct LtGemm {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-  cublasLtMatmulPreference_t pref = nullptr;
-  ~LtDesc() {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatmulAlgo_t algo{};
+  bool usable = false;  // false: cuBLASLt has no algorithm (or refused it): take the fallback
+  LtGemm() = default;
+  LtGemm(const LtGemm&) = delete;
+  LtGemm& operator=(const LtGemm&) = delete;
+  ~LtGemm() {
     if (c) cublasLtMatrixLayoutDestroy(c);
     if (b) cublasLtMatrixLayoutDestroy(b);
     if (a) cublasLtMatrixLayoutDestroy(a);
@@ -63,92 +87,114 @@ struct LtDesc {
   }
 };
 
-using AlgoKey = std::tuple<int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int, int,
-                           int, int>;
-struct AlgoEntry {
-  bool found;
-  cublasLtMatmulAlgo_t algo;
+// device, dtype, epilogue, T, N, K, ldx, ldw, alignments of w / x / out / bias (0: no bias),
+// workspace bytes.
+using LtKey = std::tuple<int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int, int,
+                         int, int, size_t>;
+constexpr size_t kMaxCachedGemms = 4096;  // per thread; packed T takes many values
+
+// The calling thread's descriptors + algorithm for `key`, created (with the heuristic query)
+// on first use.
+LtGemm& lt_gemm_for(const LtKey& key, cublasLtHandle_t handle) {
+  thread_local std::map<LtKey, std::unique_ptr<LtGemm>> cache;
+  if (const auto it = cache.find(key); it != cache.end()) return *it->second;
+  if (cache.size() >= kMaxCachedGemms) cache.clear();
+  const auto [device, dt_int, epi_int, T, N, K, ldx, ldw, align_w, align_x, align_o, align_b,
+              ws] = key;
+  (void)device;
+  (void)align_b;
+  const auto dt = static_cast<cudaDataType_t>(dt_int);
+  const auto epilogue = static_cast<cublasLtEpilogue_t>(epi_int);
+  auto g = std::make_unique<LtGemm>();
+  ORCA_LT_CHECK(cublasLtMatmulDescCreate(&g->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
+  ORCA_LT_CHECK(cublasLtMatmulDescSetAttribute(g->op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a,
+                                               sizeof(trans_a)));
+  ORCA_LT_CHECK(cublasLtMatmulDescSetAttribute(g->op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b,
+                                               sizeof(trans_b)));
+  ORCA_LT_CHECK(cublasLtMatmulDescSetAttribute(g->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
+                                               sizeof(epilogue)));
+  ORCA_LT_CHECK(cublasLtMatrixLayoutCreate(&g->a, dt, K, N, ldw));
+  ORCA_LT_CHECK(cublasLtMatrixLayoutCreate(&g->b, dt, K, T, ldx));
+  ORCA_LT_CHECK(cublasLtMatrixLayoutCreate(&g->c, dt, N, T, N));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  ORCA_LT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>,
+                        cublasStatus_t (*)(cublasLtMatmulPreference_t)>
+      pref_owner(pref, cublasLtMatmulPreferenceDestroy);
+  ORCA_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  const uint32_t aw = align_w, ax = align_x, ao = align_o;
+  ORCA_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aw, sizeof(aw)));
+  ORCA_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ax, sizeof(ax)));
+  ORCA_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ao, sizeof(ao)));
+  ORCA_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ao, sizeof(ao)));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, g->op, g->a, g->b, g->c,
+                                                           g->c, pref, 1, &result, &found);
+  g->usable = st == CUBLAS_STATUS_SUCCESS && found > 0;
+  if (g->usable) g->algo = result.algo;
+  return *cache.emplace(key, std::move(g)).first->second;
+}
+
+// The cuBLASLt workspace: torch's own for the current stream (cached per handle and stream)
+// where this torch has it, else a block from the caching allocator.
+struct LtWorkspace {
+  void* ptr;
+  size_t bytes;
+  at::Tensor owner;  // set when allocated here
 };
-std::mutex g_algo_mutex;
-std::map<AlgoKey, AlgoEntry> g_algo_cache;
+LtWorkspace lt_workspace(const at::Tensor& like) {
+#if ORCA_TORCH_LT_WORKSPACE
+  (void)like;
+  return {at::cuda::getCUDABlasLtWorkspace(), at::cuda::getCUDABlasLtWorkspaceSize(), {}};
+#else
+  constexpr size_t kBytes = size_t{4} << 20;
+  at::Tensor t = at::empty({static_cast<int64_t>(kBytes)}, like.options().dtype(at::kByte));
+  return {t.data_ptr(), kBytes, t};
+#endif
+}
 
 // out[T, N] (row-major, contiguous) = epilogue(x[T, K] @ w[N, K]^T). In cuBLAS's column-major
 // terms: out^T [N, T] = op(A = w as [K, N], transposed) * (B = x as [K, T]). Returns false when
-// cuBLASLt has no algorithm for this epilogue (nothing was launched).
+// cuBLASLt has no algorithm for this epilogue or refuses it (nothing was computed).
 bool lt_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias,
              cublasLtEpilogue_t epilogue, at::Tensor& out) {
   const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
-  const int64_t ldx = x.stride(0), ldw = w.stride(0);
   cudaDataType_t dt = CUDA_R_32F;
   if (x.scalar_type() == at::kBFloat16) dt = CUDA_R_16BF;
   else if (x.scalar_type() == at::kHalf) dt = CUDA_R_16F;
   const int device = x.get_device();
-
-  LtDesc d;
-  ORCA_LT_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
-  ORCA_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a,
-                                               sizeof(trans_a)));
-  ORCA_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b,
-                                               sizeof(trans_b)));
-  ORCA_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
-                                               sizeof(epilogue)));
+  const cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
+  const LtWorkspace workspace = lt_workspace(x);
+  const LtKey key{device, static_cast<int>(dt), static_cast<int>(epilogue), T, N, K,
+                  x.stride(0), w.stride(0), alignment(w.data_ptr()), alignment(x.data_ptr()),
+                  alignment(out.data_ptr()), bias != nullptr ? alignment(bias->data_ptr()) : 0,
+                  workspace.bytes};
+  LtGemm& g = lt_gemm_for(key, handle);
+  if (!g.usable) return false;
   if (bias != nullptr) {
     const void* bias_ptr = bias->data_ptr();
-    ORCA_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+    ORCA_LT_CHECK(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                  &bias_ptr, sizeof(bias_ptr)));
   }
-  ORCA_LT_CHECK(cublasLtMatrixLayoutCreate(&d.a, dt, K, N, ldw));
-  ORCA_LT_CHECK(cublasLtMatrixLayoutCreate(&d.b, dt, K, T, ldx));
-  ORCA_LT_CHECK(cublasLtMatrixLayoutCreate(&d.c, dt, N, T, N));
-
-  const cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
-  const int align_w = alignment(w.data_ptr()), align_x = alignment(x.data_ptr()),
-            align_o = alignment(out.data_ptr());
-  const AlgoKey key{device, static_cast<int>(dt), static_cast<int>(epilogue), T, N, K, ldx, ldw,
-                    align_w, align_x, align_o, bias != nullptr ? alignment(bias->data_ptr()) : 0};
-  AlgoEntry entry{};
-  bool cached = false;
-  {
-    const std::lock_guard<std::mutex> lock(g_algo_mutex);
-    const auto it = g_algo_cache.find(key);
-    if (it != g_algo_cache.end()) {
-      entry = it->second;
-      cached = true;
-    }
-  }
-  if (!cached) {
-    ORCA_LT_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
-    const size_t ws = kLtWorkspaceBytes;
-    ORCA_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-    const uint32_t aw = align_w, ax = align_x, ao = align_o;
-    ORCA_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aw, sizeof(aw)));
-    ORCA_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ax, sizeof(ax)));
-    ORCA_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ao, sizeof(ao)));
-    ORCA_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ao, sizeof(ao)));
-    cublasLtMatmulHeuristicResult_t result{};
-    int found = 0;
-    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, d.op, d.a, d.b, d.c, d.c,
-                                                             d.pref, 1, &result, &found);
-    entry.found = st == CUBLAS_STATUS_SUCCESS && found > 0;
-    if (entry.found) entry.algo = result.algo;
-    const std::lock_guard<std::mutex> lock(g_algo_mutex);
-    g_algo_cache.emplace(key, entry);
-  }
-  if (!entry.found) return false;
-
-  const at::Tensor workspace =
-      at::empty({static_cast<int64_t>(kLtWorkspaceBytes)}, x.options().dtype(at::kByte));
   const float alpha = 1.f, beta = 0.f;
-  ORCA_LT_CHECK(cublasLtMatmul(handle, d.op, &alpha, w.data_ptr(), d.a, x.data_ptr(), d.b, &beta,
-                               out.data_ptr(), d.c, out.data_ptr(), d.c, &entry.algo,
-                               workspace.data_ptr(), kLtWorkspaceBytes,
-                               c10::cuda::getCurrentCUDAStream(device)));
+  const cublasStatus_t st =
+      cublasLtMatmul(handle, g.op, &alpha, w.data_ptr(), g.a, x.data_ptr(), g.b, &beta,
+                     out.data_ptr(), g.c, out.data_ptr(), g.c, &g.algo, workspace.ptr,
+                     workspace.bytes, c10::cuda::getCurrentCUDAStream(device));
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED) {  // the heuristic's algorithm refused: never again
+    g.usable = false;
+    return false;
+  }
+  TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, "packed_linear: cublasLtMatmul failed with ",
+              static_cast<int>(st));
   return true;
 }
 
@@ -170,10 +216,15 @@ cuda::Act to_act(Activation act) {
 }
 
 // out = act(x @ w^T + bias) with act in {none, gelu_tanh, relu}: cuBLASLt epilogue, or plain
-// GEMM + elementwise kernel when cuBLASLt has no algorithm for the epilogue.
+// GEMM + elementwise kernel when cuBLASLt has no algorithm for the epilogue (or
+// ORCA_LINEAR_NO_EPILOGUE=1).
 void gemm_epilogue(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias,
                    Activation act, at::Tensor& out) {
-  if (lt_gemm(x, w, bias, lt_epilogue(act, bias != nullptr), out)) return;
+  const bool fused = bias != nullptr || act != Activation::kNone;
+  if ((!fused || !epilogue_disabled()) &&
+      lt_gemm(x, w, bias, lt_epilogue(act, bias != nullptr), out)) {
+    return;
+  }
   if (!lt_gemm(x, w, nullptr, CUBLASLT_EPILOGUE_DEFAULT, out)) at::mm_out(out, x, w.t());
   if (bias == nullptr && act == Activation::kNone) return;
   ORCA_CUDA_LAUNCH_CHECK(
