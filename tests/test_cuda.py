@@ -1,18 +1,29 @@
-"""CUDA-only checks of the torch.ops.orca kernels (skipped without a GPU).
+"""CUDA-only checks of the torch.ops.orca kernels and the GPU runner (skipped without a GPU).
 
 The device-parametrized reference tests are in test_ops.py; these add what only the CUDA path
 has: the tensor-core attention kernels (bf16/fp16, every supported head dim, decode / prefill /
-split-KV work partitions), the skinny and cuBLASLt linear paths, opcheck on CUDA, memory
-safety with invalid metadata, and a decode step (packed_linear -> store_kv -> ragged_attention)
-captured in a CUDA graph and replayed with new metadata, which would fail if an op read device
-values on the host or synchronized.
+split-KV work partitions), batches that give each CTA many work items (B = 512, a grid capped
+by ORCA_ATTN_MAX_CTAS, B at the kernel's limit), a 4096-token prefill, a KV cache past 2^31
+elements, bitwise repeatability and partition invariance, the skinny and cuBLASLt linear paths
+and the cuBLASLt-less fallback, launches from several host threads, opcheck on CUDA, memory
+safety with invalid metadata, a decode step (packed_linear -> store_kv -> ragged_attention)
+captured in a CUDA graph and replayed with new metadata (which would fail if an op read device
+values on the host or synchronized), and the runner's decode iterations from CUDA graphs against
+its eager ones.
 """
+import threading
+
 import pytest
 import torch
 
 import orca_ext
 import reference_ops as ref
 from orca_ext import ops
+from orca_ext.batch import ScheduledRequest, SchedulerOutput
+from orca_ext.executor import KVCache, ModelRunner
+from orca_ext.kv import SlotAllocator
+from orca_ext.model import load_model
+from orca_ext.sampling_params import SamplingParams
 from orca_ext.testing import random_ragged_batch
 
 pytestmark = pytest.mark.skipif(
@@ -29,6 +40,56 @@ def assert_close(actual, expected, dtype):
 
 def reference(batch):
     return ref.ragged_attention(*(a.cpu() if torch.is_tensor(a) else a for a in batch.args()))
+
+
+def device_reference(batch):
+    """float64 attention computed on the GPU, one request at a time (for large cases)."""
+    q, k_cache, v_cache = batch.q.double(), batch.k_cache.double(), batch.v_cache.double()
+    bs, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    out = torch.zeros_like(q)
+    cu, ctx = batch.cu_q_lens.tolist(), batch.context_lens.tolist()
+    for r, c in enumerate(ctx):
+        n = cu[r + 1] - cu[r]
+        if n == 0:
+            continue
+        pos = torch.arange(c, device=q.device)
+        slots = batch.block_table[r].long()[pos // bs] * bs + pos % bs
+        k = k_cache.flatten(0, 1)[slots].repeat_interleave(group, dim=1)
+        v = v_cache.flatten(0, 1)[slots].repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[cu[r]:cu[r + 1]], k) * batch.scale
+        q_pos = torch.arange(c - n, c, device=q.device)[:, None]
+        scores.masked_fill_(pos[None, :] > q_pos, float("-inf"))
+        out[cu[r]:cu[r + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
+
+
+def decode_reference(batch):
+    """float64 attention of a decode-only batch (one query per request), all requests at once."""
+    q, k_cache, v_cache = batch.q.double(), batch.k_cache.double(), batch.v_cache.double()
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    B, hq, d = q.shape
+    ctx = batch.context_lens.long()
+    pos = torch.arange(int(ctx.max()), device=q.device)
+    valid = pos[None, :] < ctx[:, None]                                   # [B, L]
+    blocks = batch.block_table.long().gather(1, (pos // bs)[None].expand(B, -1).clamp(
+        max=batch.block_table.shape[1] - 1))
+    slots = torch.where(valid, blocks * bs + pos % bs, 0)
+    k = k_cache.flatten(0, 1)[slots].repeat_interleave(hq // hkv, dim=2)  # [B, L, Hq, D]
+    v = v_cache.flatten(0, 1)[slots].repeat_interleave(hq // hkv, dim=2)
+    scores = torch.einsum("bhd,blhd->bhl", q, k) * batch.scale
+    scores.masked_fill_(~valid[:, None, :], float("-inf"))
+    return torch.einsum("bhl,blhd->bhd", scores.softmax(-1), v).view(B, hq, d)
+
+
+def attend(batch, **overrides):
+    args = list(batch.args())
+    for i, name in enumerate(("q", "k_cache", "v_cache", "cu_q_lens", "context_lens",
+                              "block_table")):
+        if name in overrides:
+            args[i] = overrides[name]
+    out = ops.ragged_attention(*args)
+    torch.cuda.synchronize()
+    return out
 
 
 # ---------------------------------------------------------------------------- ragged_attention
@@ -87,6 +148,114 @@ def test_attention_invalid_metadata_is_memory_safe():
     torch.cuda.synchronize()  # an illegal address would surface here
 
 
+def short_decode_batch(B, head_dim=64, heads=(8, 2), block_size=16, seed=0,
+                       dtype=torch.bfloat16, max_ctx=600):
+    gen = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(1, max_ctx, (B,), generator=gen).tolist()
+    return random_ragged_batch([1] * B, ctx, *heads, head_dim, block_size, dtype=dtype,
+                               device="cuda", seed=seed)
+
+
+def test_attention_decode_batch_512_many_items_per_cta():
+    """B = 512 decodes: more work items than CTAs, so each CTA loops over several; the
+    per-request prefix is built by 128 threads over four requests each."""
+    batch = short_decode_batch(512, head_dim=128)
+    out = attend(batch)
+    assert_close(out, device_reference(batch), torch.bfloat16)
+
+
+def test_attention_prefill_4096_tokens():
+    batch = random_ragged_batch([4096], [4096], 4, 2, 64, 16, dtype=torch.bfloat16,
+                                device="cuda", seed=3)
+    assert_close(attend(batch), device_reference(batch), torch.bfloat16)
+
+
+@pytest.mark.parametrize("mix", ["decode", "prefill", "mixed", "long-decode", "long-prefill"])
+@pytest.mark.parametrize("cap", [1, 2, 5])
+def test_attention_capped_grid_is_bitwise_the_same(monkeypatch, mix, cap):
+    """ORCA_ATTN_MAX_CTAS makes a few CTAs loop over every item: the same items run in another
+    order on other CTAs, which must not change a bit (each item is computed by one CTA alone)."""
+    batch = random_ragged_batch(*MIXES[mix], 8, 2, 64, 16, dtype=torch.bfloat16, device="cuda")
+    free = attend(batch)
+    monkeypatch.setenv("ORCA_ATTN_MAX_CTAS", str(cap))
+    assert torch.equal(attend(batch), free)
+    assert_close(free, reference(batch), torch.bfloat16)
+
+
+def test_attention_forced_split_no_split_and_capped_grid_agree(monkeypatch):
+    """Long contexts in a small batch split KV (partials + merge); ORCA_ATTN_MAX_SPLITS=1 runs
+    them unsplit and ORCA_ATTN_MAX_CTAS=2 on two CTAs per KV head: all three match the
+    reference, and the capped grid matches the split run bit for bit."""
+    batch = random_ragged_batch([1, 1, 5, 1], [3000, 2100, 1500, 700], 8, 2, 128, 16,
+                                dtype=torch.bfloat16, device="cuda", seed=5)
+    expected = reference(batch)
+    split = attend(batch)
+    monkeypatch.setenv("ORCA_ATTN_MAX_SPLITS", "1")
+    unsplit = attend(batch)
+    monkeypatch.delenv("ORCA_ATTN_MAX_SPLITS")
+    monkeypatch.setenv("ORCA_ATTN_MAX_CTAS", "2")
+    capped = attend(batch)
+    for out in (split, unsplit, capped):
+        assert_close(out, expected, torch.bfloat16)
+    assert torch.equal(capped, split)
+    assert not torch.equal(unsplit, split)  # different sums: the split path really ran
+
+
+def test_attention_bad_debug_cap_is_an_error(monkeypatch):
+    batch = random_ragged_batch([1], [10], 4, 2, 64, 16, dtype=torch.bfloat16, device="cuda")
+    monkeypatch.setenv("ORCA_ATTN_MAX_CTAS", "two")
+    with pytest.raises(RuntimeError, match="ORCA_ATTN_MAX_CTAS must be a non-negative integer"):
+        ops.ragged_attention(*batch.args())
+
+
+@pytest.mark.parametrize("mix", ["decode", "mixed", "long-decode", "long-prefill"])
+def test_attention_repeats_bit_for_bit(mix):
+    """No atomics anywhere: repeated calls give identical bits (a difference would be a race)."""
+    batch = random_ragged_batch(*MIXES[mix], 8, 2, 128, 16, dtype=torch.bfloat16, device="cuda")
+    first = attend(batch)
+    for _ in range(5):
+        assert torch.equal(attend(batch), first)
+
+
+@pytest.mark.parametrize("B", [8192, 8193])
+def test_attention_batch_at_the_kernel_limit(B):
+    """8192 requests: the largest batch whose prefix fits the tensor-core kernel's shared
+    memory; 8193 runs the simple kernel instead. Both must be right."""
+    batch = short_decode_batch(B, heads=(4, 1), max_ctx=40, seed=B)
+    assert_close(attend(batch), decode_reference(batch), torch.bfloat16)
+
+
+def test_kv_cache_past_2_31_elements():
+    """A cache of more than 2^31 elements (4.3 GB each for K and V): offsets are 64-bit. Only
+    the top blocks are used; the results equal those on a compact copy bit for bit."""
+    small = random_ragged_batch([1, 7, 1], [300, 90, 1200], 8, 8, 128, 16,
+                                dtype=torch.bfloat16, device="cuda", seed=11)
+    per_block = 16 * 8 * 128
+    num_blocks = (1 << 31) // per_block + 64
+    base = num_blocks - small.k_cache.shape[0]
+    big_k = torch.empty(num_blocks, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    big_v = torch.empty_like(big_k)
+    try:
+        assert big_k.numel() > 1 << 31
+        big_k[base:] = small.k_cache
+        big_v[base:] = small.v_cache
+        table = small.block_table + base
+        out = attend(small, k_cache=big_k, v_cache=big_v, block_table=table)
+        assert torch.equal(out, attend(small))
+        assert_close(out, reference(small), torch.bfloat16)
+        # store_kv into the top slots.
+        key = torch.randn(3, 8, 128, device="cuda", dtype=torch.bfloat16)
+        slots = torch.tensor([num_blocks * 16 - 1, base * 16, (num_blocks - 2) * 16 + 5],
+                             device="cuda")
+        ops.store_kv(key, key * 2, big_k, big_v, slots)
+        torch.cuda.synchronize()
+        flat_k, flat_v = big_k.view(-1, 8, 128), big_v.view(-1, 8, 128)
+        assert torch.equal(flat_k[slots], key) and torch.equal(flat_v[slots], key * 2)
+    finally:
+        del big_k, big_v
+        torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------------------- store_kv
 
 def test_store_kv_out_of_range_slots_skipped():
@@ -116,6 +285,59 @@ def test_packed_linear_paths(dtype, activation, T, K):
         expected = ref.packed_linear(x.cpu(), w.cpu(), None if bias is None else bias.cpu(),
                                      activation)
         assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("activation", ["none", "gelu_tanh", "relu", "silu_and_mul"])
+def test_packed_linear_without_cublaslt_epilogue(monkeypatch, dtype, activation):
+    """ORCA_LINEAR_NO_EPILOGUE=1 forces the path taken when cuBLASLt has no algorithm for an
+    epilogue: a plain GEMM, then the elementwise bias + activation kernel."""
+    monkeypatch.setenv("ORCA_LINEAR_NO_EPILOGUE", "1")
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 256, generator=gen).to(dtype).cuda()
+    w = (torch.randn(192, 256, generator=gen) / 16).to(dtype).cuda()
+    b = torch.randn(192, generator=gen).to(dtype).cuda()
+    for bias in (None, b):
+        out = ops.packed_linear(x, w, bias, activation)
+        expected = ref.packed_linear(x.cpu(), w.cpu(), None if bias is None else bias.cpu(),
+                                     activation)
+        assert_close(out, expected, dtype)
+
+
+def test_launches_from_several_host_threads():
+    """Four host threads, each on its own stream, run attention of different batch sizes (so
+    different shared-memory sizes) and linears at once: every result equals the one-thread
+    result bit for bit."""
+    batches = [short_decode_batch(B, seed=B) for B in (3, 40, 700, 2000)]
+    gen = torch.Generator().manual_seed(2)
+    w = (torch.randn(384, 512, generator=gen) / 20).to(torch.bfloat16).cuda()
+    xs = [torch.randn(T, 512, generator=gen).to(torch.bfloat16).cuda() for T in (1, 5, 24, 300)]
+    expected = [(attend(b), ops.packed_linear(x, w, None, "gelu_tanh"))
+                for b, x in zip(batches, xs)]
+    torch.cuda.synchronize()
+    results, errors = [None] * 4, []
+
+    def work(i):
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                outs = [(ops.ragged_attention(*batches[i].args()),
+                         ops.packed_linear(xs[i], w, None, "gelu_tanh")) for _ in range(20)]
+            stream.synchronize()
+            results[i] = outs
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for outs, (attn, lin) in zip(results, expected):
+        for a, b in outs:
+            assert torch.equal(a, attn)
+            torch.testing.assert_close(b, lin)
 
 
 # ---------------------------------------------------------------------------- opcheck
@@ -209,3 +431,98 @@ def test_decode_step_cuda_graph_matches_eager(B):
         torch.testing.assert_close(static_out, eager)
         torch.testing.assert_close(step.k_cache, k_eager)
         torch.testing.assert_close(step.v_cache, v_eager)
+
+
+# ---------------------------------------------------------------------------- the runner
+
+class RecordingSampler:
+    """The runner's sampler, keeping a copy of every iteration's logits."""
+
+    def __init__(self, sampler):
+        self.sampler, self.logits = sampler, []
+
+    def drop(self, request_ids):
+        self.sampler.drop(request_ids)
+
+    def __call__(self, logits, requests):
+        self.logits.append(logits.clone())
+        return self.sampler(logits, requests)
+
+
+# Decode iterations as the requests running in them: batch sizes 1, 2, 3, 5, 8, 9, 16, 17 and
+# 30 (buckets 1, 2, 4, 8, 8, 16, 16, 32, 32), requests joining and leaving in between.
+DECODE_STEPS = [[0], [0, 1], [0, 1, 2], list(range(5)), list(range(8)), list(range(9)),
+                list(range(3, 19)), list(range(17)), list(range(30)), [4, 29, 7], [29]]
+
+
+def drive_runner(dtype, cuda_graphs, max_context=None):
+    """A prefill of 30 prompts, then DECODE_STEPS; returns the runner and its logits."""
+    loaded = load_model("orca-tiny", dtype, "cuda")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (int(n),), generator=gen).tolist()
+               for n in torch.randint(2, 60, (30,), generator=gen)]
+    block_size = 16
+    steps = len(DECODE_STEPS)
+    blocks = sum(-(-(len(p) + steps) // block_size) for p in prompts)
+    runner = ModelRunner(loaded.model, KVCache(loaded.config, blocks, block_size, dtype, "cuda"),
+                         SlotAllocator(blocks, block_size), cuda_graphs=cuda_graphs,
+                         cuda_graph_max_context=max_context)
+    runner.sampler = RecordingSampler(runner.sampler)
+    params = SamplingParams(temperature=0.0)
+    done = {}
+    for r, prompt in enumerate(prompts):
+        runner.allocator.allocate(r, len(prompt) + steps)
+        done[r] = len(prompt)
+    runner.execute(SchedulerOutput(0, [ScheduledRequest(r, p, 0, params, p, [])
+                                       for r, p in enumerate(prompts)]))
+    for i, running in enumerate(DECODE_STEPS):
+        scheduled = []
+        for r in running:
+            token = (7 * r + 3 * i) % 256
+            scheduled.append(ScheduledRequest(r, [token], done[r], params, prompts[r], []))
+            done[r] += 1
+        runner.execute(SchedulerOutput(i + 1, scheduled))
+    return runner, runner.sampler.logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_runner_decode_graphs_match_eager(dtype):
+    """Every decode iteration replays its bucket's graph (batches padded to the bucket) and gives
+    the eager runner's logits, across iterations that change the batch."""
+    eager_runner, eager = drive_runner(dtype, cuda_graphs=False)
+    graph_runner, graphed = drive_runner(dtype, cuda_graphs=True)
+    assert eager_runner.graphs is None
+    assert graph_runner.graphs.replays == len(DECODE_STEPS)
+    assert sorted(graph_runner.graphs.graphs) == [1, 2, 4, 8, 16, 32]
+    assert len(graphed) == len(eager) == len(DECODE_STEPS) + 1
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(graphed[0], eager[0], atol=0, rtol=0)  # the prefill: eager
+    for got, want in zip(graphed[1:], eager[1:]):
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_runner_decode_graph_replays_bit_for_bit():
+    """The same decode iteration replayed twice (same KV slot, same values) gives the same
+    bits."""
+    runner, _ = drive_runner(torch.bfloat16, cuda_graphs=True)
+    blocks = [runner.allocator.blocks(r) for r in (0, 1, 2)]
+    table = torch.zeros(3, max(map(len, blocks)), dtype=torch.int32)
+    for r, ids in enumerate(blocks):
+        table[r, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    ctx = torch.tensor([len(ids) * 16 // 2 for ids in blocks], dtype=torch.int32)
+    last = ctx.long() - 1  # each request's new token sits at its last position
+    slots = table.long().gather(1, (last // 16)[:, None])[:, 0] * 16 + last % 16
+    tokens = torch.tensor([5, 6, 7])
+    first = runner.graphs.run(4, tokens, last, slots, ctx, table).clone()
+    again = runner.graphs.run(4, tokens, last, slots, ctx, table)
+    assert torch.equal(first, again)
+
+
+def test_runner_runs_long_contexts_eagerly():
+    """Contexts past the graphs' longest run eagerly, and give the same results."""
+    runner, logits = drive_runner(torch.float32, cuda_graphs=True, max_context=32)
+    _, eager = drive_runner(torch.float32, cuda_graphs=False)
+    assert runner.graphs.replays < len(DECODE_STEPS)
+    for got, want in zip(logits, eager):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
