@@ -240,15 +240,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{prop.name}, {prop.multi_processor_count} SMs, torch {torch.__version__}", flush=True)
     rep = Report()
     copy_bw = copy_bandwidth(512 << 20)
-    sections = [lambda: bench_decode(rep, copy_bw, args.quick), lambda: bench_split_balance(rep),
-                lambda: bench_mixed(rep), lambda: bench_prefill(rep),
-                lambda: bench_linear(rep, args.quick)]
-    for section in sections:
+    sections = [("decode", lambda: bench_decode(rep, copy_bw, args.quick)),
+                ("split_balance", lambda: bench_split_balance(rep)),
+                ("mixed", lambda: bench_mixed(rep)), ("prefill", lambda: bench_prefill(rep)),
+                ("linear", lambda: bench_linear(rep, args.quick))]
+    for name, section in sections:
         try:
             section()
         except Exception as e:  # keep the other figures
-            print(f"ERROR in {getattr(section, '__name__', 'section')}: {type(e).__name__}: {e}",
-                  flush=True)
+            print(f"ERROR in {name}: {type(e).__name__}: {e}", flush=True)
             rep.rows.append({"figure": "error", "value": math.nan, "target": "",
                              "pass": False, "detail": f"{type(e).__name__}: {e}"})
         torch.cuda.empty_cache()
