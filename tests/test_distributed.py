@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import gguf
 import pytest
 import torch
 
@@ -26,11 +27,13 @@ from orca_ext.distributed.tensor_parallel import (ROW, VOCAB, Split, param_split
 from orca_ext.llm import LLM, build_engine
 from orca_ext.model import load_model, load_model_info
 from orca_ext.sampling_params import SamplingParams
+from gguf_files import make_model as make_gguf_model
+from gguf_files import write_gguf
 from tiny_models import make_hf_model, save_hf_model
 
 PROMPTS = [[72, 101, 108, 108, 111], list(range(40, 80)), [7], [200, 13, 56, 91, 3, 17, 250]]
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-ENGINE_ARGS = dict(max_batch_size=2, kv_cache_tokens=1024, block_size=8)
+ENGINE_ARGS = dict(dtype="float32", max_batch_size=2, kv_cache_tokens=1024, block_size=8)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -111,11 +114,19 @@ def test_shards_reassemble_the_full_tensor():
     assert param_split(plan, "layers.3.attn.qkv.bias").kind == "column"
 
 
-@pytest.mark.parametrize("name", ["orca-tiny", "gpt2", "llama_gqa"])
+@pytest.mark.parametrize("name", ["orca-tiny", "gpt2", "llama_gqa", "gguf_llama", "gguf_gpt2"])
 def test_shards_load_straight_from_the_checkpoint(name, tmp_path):
     """Each rank's shards equal the slices of the single-process weights (GPT-2's transposed
-    Conv1D, Llama's fused q/k/v and gate/up parts, the padded vocab, orca-tiny's random init)."""
-    model = name if name == "orca-tiny" else str(save_hf_model(make_hf_model(name), tmp_path))
+    Conv1D, Llama's fused q/k/v and gate/up parts, the padded vocab, orca-tiny's random init,
+    a GGUF file's quantized tensors)."""
+    if name == "orca-tiny":
+        model = name
+    elif name.startswith("gguf_"):
+        arch = name.removeprefix("gguf_")
+        model = str(write_gguf(make_gguf_model(arch), arch, tmp_path / "m.gguf",
+                               gguf.GGMLQuantizationType.Q8_0))
+    else:
+        model = str(save_hf_model(make_hf_model(name), tmp_path))
     full = dict(load_model(model).model.named_parameters())
     info = load_model_info(model)
     plan = tp_plan(info.config)
