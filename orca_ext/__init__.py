@@ -1,6 +1,7 @@
 """orca_ext: an Orca-style LLM serving engine built on PyTorch custom ops."""
 import torch  # noqa: F401  (loads libtorch before the extension)
 
+from . import _build_check  # noqa: F401  (before _C: is this the torch it was built against?)
 from . import _C, ops  # noqa: F401  (registers torch.ops.orca)
 from .async_engine import AsyncEngine, EngineDeadError
 from .llm import LLM
