@@ -306,8 +306,8 @@ class CompletionChoice(BaseModel):
 
 class CompletionResponse(BaseModel):
     """POST /v1/completions without streaming. With ``stream``: server-sent events, each
-    ``data: `` and one such object (``usage`` null, and a last one with no choices and the
-    usage when ``stream_options.include_usage``), then ``data: [DONE]``."""
+    ``data: `` and one such object without ``usage`` (with ``stream_options.include_usage``:
+    ``usage`` null, then a last object with no choices and the usage), then ``data: [DONE]``."""
 
     id: str
     object: Literal["text_completion"]
