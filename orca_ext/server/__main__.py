@@ -51,11 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="orca-serve", description="Serve a model over an OpenAI-compatible HTTP API "
         "(and gRPC with --grpc-port). Options named as vLLM's mean what they mean there.")
     m = p.add_argument_group("model")
-    m.add_argument("--model", default="orca-tiny",
-                   help="a Hugging Face model folder or a built-in name (default: orca-tiny)")
+    m.add_argument("--model", default="smollm2-135m-instruct",
+                   help="a built-in name (smollm2-135m-instruct, orca-tiny), a Hugging Face "
+                        "model folder or a GGUF file (default: smollm2-135m-instruct)")
     m.add_argument("--served-model-name", default=None,
                    help="the name clients use in 'model' (default: --model)")
-    m.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
+    m.add_argument("--dtype", default="auto",
+                   help="auto (bfloat16 where the CPU has AMX or AVX512-BF16, else float32), "
+                        "float32, float16 or bfloat16")
     m.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when "
                    "available)")
     m.add_argument("--max-model-len", type=_positive, default=None,
