@@ -222,7 +222,8 @@ smoke_rounds() {
       "$PY" "$ROOT/bench/cuda_smoke.py"
     fi
     rc=$?
-    [[ $rc -ne 2 ]] && return $rc
+    # After an abort the run has failed, whatever the rest gives.
+    [[ $rc -ne 2 ]] && { [[ -n "$after" ]] && return 1; return $rc; }
     after=$(grep -E '^ABORT ' "$OUT/smoke.log" | tail -n 1 | cut -d' ' -f2)
     echo "(context poisoned after $after: a new process runs the rest)"
   done
@@ -306,7 +307,8 @@ pytest_rounds() {  # pytest_rounds TIMEOUT_PER_TEST ARGS...: reruns the rest aft
       "$PY" -m pytest -p orca_gpu_plugin -p no:cacheprovider -v -rfE --tb=short \
       --rootdir "$ROOT" "$@"
     rc=$?
-    [[ $rc -ne 3 ]] && return $rc
+    # After a poisoned context the run has failed, whatever the rest gives.
+    [[ $rc -ne 3 ]] && { (( round > 1 )) && return 1; return $rc; }
     echo "(CUDA context poisoned: a new process runs the tests not yet run)"
   done
   return 1
