@@ -8,8 +8,9 @@ float32 ones.
 The text defaults to the English documentation every Python ships (``pydoc_data/topics.py``).
 Each window of ``--window`` tokens (moving by ``--stride``) scores its tokens after the first
 ``window - stride`` (all of them in the first window), as Hugging Face's perplexity guide does.
-transformers loads the same weights: a GGUF through its own GGUF loader, anything else from our
-model saved as a Hugging Face folder. The KL reference is transformers' float32 distribution,
+transformers loads the same weights: a GGUF through its own GGUF loader (or, with
+``--transformers-from folder``, from our dequantized weights saved as a Hugging Face folder),
+anything else from our model saved as a Hugging Face folder. The KL reference is transformers' float32 distribution,
 for both sides.
 """
 from __future__ import annotations
@@ -66,11 +67,12 @@ def windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, i
         start += stride
 
 
-def load_transformers(name: str, loaded: LoadedModel, dtype: torch.dtype, scratch: Path):
+def load_transformers(name: str, loaded: LoadedModel, dtype: torch.dtype, scratch: Path,
+                      source: str):
     import transformers
 
     info = load_model_info(name)
-    if info.gguf is not None:
+    if info.gguf is not None and source == "gguf":
         path = info.gguf.path
         return transformers.AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=dtype).eval()
@@ -85,6 +87,10 @@ def main() -> int:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--stride", type=int, default=256)
+    parser.add_argument("--transformers-from", choices=("gguf", "folder"), default="gguf",
+                        help="a GGUF model: transformers loads the file itself (gguf; its "
+                             "non-float32 GGUF models compute in float32 on packed weights) or our "
+                             "dequantized weights saved as a Hugging Face folder (folder)")
     parser.add_argument("--max-tokens", type=int, default=4096,
                         help="score the first N tokens of the text (0: all)")
     args = parser.parse_args()
@@ -104,7 +110,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         for dtype_name in ["float32", *[d for d in args.dtypes if d != "float32"]]:
             loaded = load_model(args.model, dtype_name)
-            hf = load_transformers(args.model, loaded, loaded.dtype, Path(scratch))
+            hf = load_transformers(args.model, loaded, loaded.dtype, Path(scratch),
+                                   args.transformers_from)
             sums = {"ours": [0.0, 0.0], "transformers": [0.0, 0.0]}  # nll, kl
             count, start_time = 0, time.perf_counter()
             for i, (start, end, first) in enumerate(spans):
