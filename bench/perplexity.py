@@ -10,8 +10,8 @@ Each window of ``--window`` tokens (moving by ``--stride``) scores its tokens af
 ``window - stride`` (all of them in the first window), as Hugging Face's perplexity guide does.
 transformers loads the same weights: a GGUF through its own GGUF loader (or, with
 ``--transformers-from folder``, from our dequantized weights saved as a Hugging Face folder),
-anything else from our model saved as a Hugging Face folder. The KL reference is transformers' float32 distribution,
-for both sides.
+anything else from our model saved as a Hugging Face folder. The KL reference is transformers'
+float32 distribution, for both sides.
 """
 from __future__ import annotations
 

@@ -71,7 +71,8 @@ def gguf_tensors(model: transformers.PreTrainedModel, arch: str) -> dict[str, np
                 if kind == "weight" and w.ndim == 2:
                     w = w.T
             else:
-                gguf_name = {"wte.weight": "token_embd.weight", "wpe.weight": "position_embd.weight",
+                gguf_name = {"wte.weight": "token_embd.weight",
+                             "wpe.weight": "position_embd.weight",
                              "ln_f.weight": "output_norm.weight", "ln_f.bias": "output_norm.bias",
                              "lm_head.weight": "output.weight"}[name]
                 if name == "lm_head.weight" and config.tie_word_embeddings:

@@ -17,7 +17,8 @@ import vs_transformers  # noqa: E402
 def test_each_ratio_is_against_the_adjacent_run_of_ours(tmp_path: Path,
                                                         capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "vs.json"
-    vs_transformers.main(["--num-requests", "4", "--hf-batch-sizes", "2", "--hf-cb-batch-sizes",
+    vs_transformers.main(["--model", "orca-tiny", "--dtype", "float32", "--num-requests", "4",
+                          "--hf-batch-sizes", "2", "--hf-cb-batch-sizes",
                           "2", "--prompt-len", "16", "32", "--output-len", "1", "8",
                           "--json", str(out)])
     printed = capsys.readouterr().out

@@ -96,7 +96,8 @@ def plan_kv_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype,
         cap = min(cap, int(available * DEFAULT_KV_SHARE))
     cap_blocks = cap // caches_on_this_machine // per_block
     if full <= cap_blocks:
-        return full, f"{max_batch_size} requests x {max_model_len} tokens (max_batch_size x context)"
+        return full, (f"{max_batch_size} requests x {max_model_len} tokens "
+                      "(max_batch_size x context)")
     if cap_blocks < 1:
         raise ValueError(f"no room for a KV cache: {_gib(available or 0)} GiB of memory available,"
                          f" one block takes {per_block} bytes")

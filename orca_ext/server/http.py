@@ -176,8 +176,11 @@ def _documented(model: type, *error_statuses: int,
     each error status with OpenAI's error body."""
     ok: dict[str, Any] = {"model": model}
     if streams:
-        ok["content"] = {"text/event-stream": {"schema": {"type": "string",
-                                                          "description": _SSE_DESCRIPTION}}}
+        # Before OpenAPI 3.2 (this document is 3.1), a streamed media type's schema describes
+        # one event of the stream.
+        ok["content"] = {"text/event-stream": {"schema": {
+            "type": "object", "description": _SSE_DESCRIPTION, "required": ["data"],
+            "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}
     return {200: ok, **{status: {"model": ErrorResponse} for status in error_statuses}}
 
 
