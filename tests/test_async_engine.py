@@ -2,19 +2,16 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 import time
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from engine_fakes import CharTokenizer, FakeSlotAllocator, GatedRunner, reference  # noqa: E402
+from engine_fakes import CharTokenizer, FakeSlotAllocator, GatedRunner, reference
 
-from orca_ext.async_engine import AsyncEngine, EngineDeadError  # noqa: E402
-from orca_ext.engine import Engine  # noqa: E402
-from orca_ext.sampling_params import SamplingParams  # noqa: E402
-from orca_ext.scheduler import SchedulerConfig, make_scheduler  # noqa: E402
+from orca_ext.async_engine import AsyncEngine, EngineDeadError
+from orca_ext.engine import Engine
+from orca_ext.sampling_params import SamplingParams
+from orca_ext.scheduler import SchedulerConfig, make_scheduler
 
 TOK = CharTokenizer()
 VOCAB = TOK.vocab

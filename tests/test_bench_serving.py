@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import math
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import serving  # noqa: E402
-import serving_sweep  # noqa: E402
+import serving
+import serving_sweep
 
 SPEC = serving.WorkloadSpec("orca", (8, 48), (1, 12), max_model_len=1024, vocab_size=257,
                             special_ids=(256,))

@@ -3,12 +3,9 @@ agree with ours in float32, and every ratio is taken against the run of ours nex
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 pytest.importorskip("transformers")
 import vs_transformers  # noqa: E402

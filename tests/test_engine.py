@@ -1,20 +1,17 @@
 """Engine tests with a model-free runner: stops, text, n > 1, abort, bad input, pipelining."""
 from __future__ import annotations
 
-import os
 import random
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from engine_fakes import (ALLOCATORS, ByteTokenizer, CharTokenizer,  # noqa: E402
+from engine_fakes import (ALLOCATORS, ByteTokenizer, CharTokenizer,
                           FakeSlotAllocator, KVFakeRunner, PipelinedFakeExecutor, reference)
 
-from orca_ext.detokenizer import Detokenizer  # noqa: E402
-from orca_ext.engine import Engine  # noqa: E402
-from orca_ext.sampling_params import SamplingParams  # noqa: E402
-from orca_ext.scheduler import SchedulerConfig, make_scheduler  # noqa: E402
+from orca_ext.detokenizer import Detokenizer
+from orca_ext.engine import Engine
+from orca_ext.sampling_params import SamplingParams
+from orca_ext.scheduler import SchedulerConfig, make_scheduler
 
 TOK = CharTokenizer()
 VOCAB = TOK.vocab

@@ -3,15 +3,12 @@ by hand, the throughput-at-a-latency-limit helper, the cost fit, and the ``--cos
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import policy_model as pm  # noqa: E402
+import policy_model as pm
 
 UNIT = pm.Costs(1.0, 0.0, 0.0, 0.0, 0.0)  # every iteration takes 1 s
 

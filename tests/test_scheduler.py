@@ -1,20 +1,17 @@
 """Scheduler unit tests: a fake runner, no model."""
 from __future__ import annotations
 
-import os
-import sys
 from collections import deque
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, os.path.dirname(__file__))
-from engine_fakes import ALLOCATORS, KVFakeRunner, reference  # noqa: E402
+from engine_fakes import ALLOCATORS, KVFakeRunner, reference
 
-from orca_ext.request import Request  # noqa: E402
-from orca_ext.sampling_params import SamplingParams  # noqa: E402
-from orca_ext.scheduler import SchedulerConfig, make_scheduler  # noqa: E402
+from orca_ext.request import Request
+from orca_ext.sampling_params import SamplingParams
+from orca_ext.scheduler import SchedulerConfig, make_scheduler
 
 VOCAB = 95
 

@@ -2,8 +2,6 @@
 and the committed stubs match orca.proto."""
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +9,6 @@ import pytest
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("fastapi")
 
-sys.path.insert(0, os.path.dirname(__file__))
 from server_helpers import server  # noqa: E402,F401  (the shared server fixture)
 
 from orca_ext.server import orca_pb2, orca_pb2_grpc  # noqa: E402

@@ -3,8 +3,6 @@ real ``openai`` client and with plain HTTP (curl's view: SSE lines, /metrics, /h
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 
@@ -12,7 +10,6 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("grpc")
 
-sys.path.insert(0, os.path.dirname(__file__))
 from server_helpers import server  # noqa: E402,F401  (the shared server fixture)
 
 MODEL = "orca-tiny"

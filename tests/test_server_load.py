@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import sys
 import time
 
 import pytest
@@ -16,7 +14,6 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("grpc")
 
-sys.path.insert(0, os.path.dirname(__file__))
 from server_helpers import server  # noqa: E402,F401  (the shared server fixture)
 
 MODEL = "orca-tiny"

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import ssl
-import sys
 import time
 
 import pytest
@@ -17,7 +15,6 @@ grpc = pytest.importorskip("grpc")
 pytest.importorskip("cryptography")
 pytest.importorskip("fastapi")
 
-sys.path.insert(0, os.path.dirname(__file__))
 from server_helpers import ServerProcess, make_self_signed_cert  # noqa: E402
 
 from orca_ext.server import orca_pb2, orca_pb2_grpc  # noqa: E402
