@@ -39,9 +39,9 @@ py::tuple build_metadata(const SlotAllocator& alloc, const std::vector<int64_t>&
 }
 
 // Each row's argmax of float32 logits [rows, vocab] on the CPU, as torch.argmax gives it (the
-// first maximum; a NaN counts as the maximum, its first one wins). For greedy decoding: through
-// torch.argmax + tolist a batch-4 step spent ~38-57 us here once the step's weight stream had
-// evicted the caches, most of it setting up the reduction (ad hoc, 2-core CPU).
+// first maximum; a NaN counts as the maximum, its first one wins). For greedy decoding: at a
+// few rows torch.argmax + tolist costs mostly the set-up of the reduction, on caches the step's
+// weight stream has evicted, and this loop has none.
 std::vector<int64_t> argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.device().is_cpu() &&
                   logits.scalar_type() == at::kFloat,

@@ -21,8 +21,8 @@ using cpu::AttentionWork;
 
 constexpr int64_t kMaxRowsPerItem = 64;  // query rows (queries x group heads) per item
 // Never split KV ranges below this many positions. Low enough that a decode step over short
-// contexts (batch 1-3, ~128 positions) still gives every thread a share of the KV to read:
-// measured ~1.3x faster there than whole requests per thread (the merge is cheap).
+// contexts (batch 1-3, ~128 positions) still gives every thread a share of the KV to read,
+// which beats whole requests per thread there because the merge is cheap.
 constexpr int64_t kMinSplitKv = 64;
 // Plan cost below which one thread does it all (~0.5 MB of float32 KV for a decode).
 constexpr double kMinParallelCost = 8e3;
@@ -106,9 +106,6 @@ inline Plan make_plan(const AttentionShape& s, const int32_t* cu, const int32_t*
   // Split long KV ranges into equal chunks, as few as balance the threads: each split adds an
   // item's start-up and a merge. Finer splits (about 2, then 4 items per thread) only when the
   // coarser ones would leave a thread idle for over 10 % of the step (unequal requests).
-  // Against four tile-aligned items per thread and the merges always forked: decode attention
-  // at batch 1 / 2 / 3 / 4 x 129 positions (orca-tiny, 2 threads, in the model, ad hoc)
-  // 15 % / 3 % / 4 % / 7 % faster.
   const double per_thread = total / at::get_num_threads();
   std::vector<int64_t> splits(groups.size(), 1);
   for (const double items_per_thread : {1.0, 2.0, 4.0}) {

@@ -7,8 +7,7 @@
 // the attention's work items (the same plan for every layer) handed out dynamically, and a
 // barrier wherever a step needs the previous one's whole output. Called op by op, each of a
 // decode step's ~50 ops pays a dispatch, a fork-join and its output's allocation on caches the
-// weight stream has evicted: orca-tiny's decode step ran 1.04x faster so at batch 1-2 (slow
-// memory state) and 1.06x / 1.09x at batch 3 / 4 (fast state; ad hoc, 2-core CPU). The kernels,
+// weight stream has evicted; one region pays them once. The kernels,
 // their work split and their rounding are packed_linear's and ragged_attention's, so the
 // results are the per-op blocks' bit for bit. More tokens run layer by layer through the ops.
 #include <ATen/Parallel.h>

@@ -30,10 +30,10 @@ constexpr int64_t kTileBufferElems = 128 * 1024;  // per thread, ~half of a 1 MB
 
 // float32 x [T, K] @ weight^T + bias through oneDNN (torch's own `mkldnn::_linear_pointwise`,
 // the op Inductor's CPU code calls), with `attr` ("none", "relu", "gelu") and `algorithm`
-// ("tanh" for gelu_tanh) fused as its post-op. Measured on the 2-core Zen 4 against MKL's
-// sgemm (torch.addmm, which float32 matmuls use) at orca-tiny's shapes: 1.1x-1.4x from 40 to
-// 600 tokens, 200-210 GFLOP/s (~90 % of the cores' FMA peak) from 100 tokens. nullopt when
-// the torch build has no oneDNN, or for K = 0 (an empty inner product oneDNN refuses).
+// ("tanh" for gelu_tanh) fused as its post-op: at orca-tiny's prefill shapes it is faster than
+// MKL's sgemm (torch.addmm, which float32 matmuls use) and runs close to the cores' FMA peak.
+// nullopt when the torch build has no oneDNN, or for K = 0 (an empty inner product oneDNN
+// refuses).
 std::optional<at::Tensor> onednn_linear(const at::Tensor& x, const at::Tensor& weight,
                                         const std::optional<at::Tensor>& bias,
                                         const char* attr, const char* algorithm) {
@@ -119,7 +119,7 @@ void tiled_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   const int64_t row_tiles = ceil_div(T, kMaxTileRows);
   const int64_t tile_rows = ceil_div(T, row_tiles);
   // Each tile is a single-threaded GEMM, so their number is a multiple of the threads (5 tiles
-  // on 2 threads leave a core idle for the last: measured ~1.2x slower at 300 tokens).
+  // on 2 threads would leave a core idle for the last).
   const int64_t threads = at::get_num_threads();
   int64_t col_tiles = ceil_div(N, std::clamp<int64_t>(kTileBufferElems / tile_rows, 16, N));
   col_tiles = std::max(col_tiles, ceil_div(2 * threads, row_tiles));
@@ -196,10 +196,10 @@ at::Tensor normalized_input(const at::Tensor& x, const InputNorm& norm) {
   return y;
 }
 
-// Whether x's T rows take the token-lanes kernel: kSkinnyMaxT < T <= kLanesMaxT, in float32
-// (measured 1.3x-2x torch's BLAS, MKL, at orca-tiny's shapes; about even at 40-64 tokens) and in
-// bfloat16 where the AVX512-BF16 pair kernel applies (K even; 1.1x-1.5x oneDNN up to 16 tokens,
-// 0.9x-1.1x at 24-32). float16 stays on BLAS.
+// Whether x's T rows take the token-lanes kernel: kSkinnyMaxT < T <= kLanesMaxT, in float32 and
+// in bfloat16 where the AVX512-BF16 pair kernel applies (K even), the range where it is faster
+// than torch's BLAS (MKL) and oneDNN at orca-tiny's shapes, or even with them at its top end.
+// float16 stays on BLAS.
 bool takes_lanes(const at::Tensor& x) {
   const int64_t T = x.size(0);
   return T > kSkinnyMaxT && T <= kLanesMaxT &&

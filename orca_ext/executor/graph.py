@@ -4,18 +4,14 @@ Run eagerly, every op of a decode step goes through the Python interpreter: ~100
 few microseconds each, slower still because the weights streaming through the caches evict
 the interpreter's code and data between calls. The trace records the same ops once, with the
 packed sizes kept symbolic (``x.shape[0]`` becomes a size op), and TorchScript's C++
-interpreter replays them for any batch. A decode step of orca-tiny on our 2-core CPU ran
-1.08x-1.17x faster at batch 1-4 (ad hoc, in one process against the eager forward).
+interpreter replays them for any batch without the Python interpreter between ops.
 
 The trace is of a function closing over the model, not of the model as a module: its weights
 are then constants of the graph (references to the live parameter tensors, not copies, so an
 in-place weight update still shows) instead of ~460 attribute lookups a step through the module
 tree. The attention's reshapes are ``unflatten`` / ``flatten``, not views sized by
-``x.shape[0]`` (each traced as a size op and a list op besides the view): orca-tiny's graph runs
-95 nodes besides its constants, against 604 with 462 attribute lookups before. Against the
-module trace (orca-tiny, 2-core CPU, ad hoc, alternated in one process, medians per memory
-state over three runs): 1.00x-1.04x at batch 1, 0.99x-1.11x at batch 4; with the reshapes too,
-1.01x / 1.01x / 1.03x / 1.03x at batch 1 / 2 / 3 / 4 (8 rounds, slow state).
+``x.shape[0]`` (each traced as a size op and a list op besides the view), which keeps the graph
+small: orca-tiny's runs 95 nodes besides its constants.
 
 Only for models whose forward is pure tensor code (GPT-2 and Llama here): Python side effects
 such as the distributed wrappers' communication would not be recorded, so the distributed
@@ -80,10 +76,9 @@ class TracedIteration:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  sample_rows: torch.Tensor) -> torch.Tensor:
         # Plain interpretation: no profiling runs or graph passes specialized on a batch's sizes.
-        # The executor's flag (per thread) is set around the call directly: through
-        # torch.jit.optimized_execution, a generator-based context manager, a decode step of
-        # orca-tiny took 3-48 us longer at batch 1-4 (ad hoc, 2-core CPU: its Python frames run
-        # on cold caches).
+        # The executor's flag (per thread) is set around the call directly, not through
+        # torch.jit.optimized_execution, a generator-based context manager whose Python frames
+        # would run on cold caches every step.
         optimize = _get_optimize()
         _set_optimize(False)
         try:

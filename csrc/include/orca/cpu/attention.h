@@ -602,11 +602,9 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
     // first tile's K rows are asked for up front), so the cache streams in without a gap
     // between passes, and visits the tile's two halves side by side, a key of each at a time
     // (keys 0 and h, 1 and h + 1, ...: two streams of the cache, two blocks at block size <=
-    // 16). Measured on cold caches (ad hoc, against the previous kernel in one process): the
-    // prefetch 1.03x-1.40x (float32); then the key pairs, the first tile's prefetch and a
-    // vectorized softmax 1.10x-1.18x (float32) and 1.21x (bfloat16). Tried and slower: four
-    // streams (tile quarters), four keys at a time (0.7x two), one head at a time across the
-    // tile (0.6x-0.8x: strided reads), pipelining tile i's K pass with tile i-1's V pass.
+    // 16). Each of these, and the vectorized softmax, made the kernel faster on cold caches;
+    // four streams (tile quarters), four keys at a time, one head at a time across the tile
+    // (strided reads) and pipelining tile i's K pass with tile i-1's V pass were slower.
     const scalar_t* k_tile = a.k_cache + w.kv_head_begin * kD;
     const scalar_t* v_tile = a.v_cache + w.kv_head_begin * kD;
     const int64_t num_heads = w.kv_head_end - w.kv_head_begin;

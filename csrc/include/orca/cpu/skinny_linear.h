@@ -1,13 +1,11 @@
 // Torch-free dot-product kernel for linear layers with very few tokens (decode at small
 // batch): y[t, n] = x[t, :] . w[n, :]. Each weight row is read once, front to back, for all kT
 // tokens, and a thread walks kStreams distant row ranges side by side: long sequential
-// streams, prefetched ahead, with each x load shared by all of them. Measured on a 2-core
-// Zen 4: about 1.2x (1 token) to 1.3x (4 tokens) the bandwidth of one stream, and 2x that of
-// reading a few adjacent rows interleaved (short streams the hardware prefetcher follows
-// badly). The software prefetch runs far ahead into L2 (prefetcht1; far ahead into L1 instead,
-// t0 / nta, it held 3-4 tokens to ~27 GB/s against ~35 GB/s, as the FMAs left fewer loads in
-// flight), and a few lines ahead from L2 into L1 (prefetcht0).
-// BLAS GEMM kernels are tuned for many rows and lose much of the bandwidth here.
+// streams, prefetched ahead, with each x load shared by all of them, draw more memory
+// bandwidth than one stream or a few adjacent rows interleaved (short streams the hardware
+// prefetcher follows badly). The software prefetch runs far ahead into L2 (prefetcht1; as far
+// into L1 it left the FMAs fewer loads in flight), and a few lines ahead from L2 into L1
+// (prefetcht0). BLAS GEMM kernels are tuned for many rows and lose much of the bandwidth here.
 #pragma once
 
 #include <algorithm>
@@ -23,21 +21,18 @@
 
 namespace orca::cpu {
 
-// How far ahead of its reads each weight stream is prefetched. From 2 tokens (4 streams per
-// thread) 3 KB: against 2 KB, float32, orca-tiny's 32 linears in a row (ad hoc), 1.02x-1.05x
-// at 4 tokens and 1.03x at 2 while the host's memory ran at ~60 GB/s, 0.99x-1.02x at ~34;
-// 1 KB 0.77x-0.90x, 4-6 KB no better. One token (2 streams) keeps 2 KB (3 KB: 0.98x).
+// How far ahead of its reads each weight stream is prefetched: far enough to cover the memory
+// latency, not so far that the lines are evicted before use. With 4 streams per thread (from
+// 2 tokens) 3 KB, with 2 (one token) 2 KB: the distances that streamed orca-tiny's linears
+// fastest; shorter ones stalled on memory and longer ones gained nothing.
 constexpr int64_t kSkinnyPrefetchBytes = 2048;
 template <int kT>
 constexpr int64_t skinny_prefetch_bytes() {
   return kT >= 2 ? 3072 : kSkinnyPrefetchBytes;
 }
 // Each line is also asked into L1 (prefetcht0) this far ahead of its load, from L2 where the
-// far prefetch put it: against none (float32, the 32 linears in a row, ad hoc, rounds split by
-// the memory state) 1.08x / 1.10x / 1.02x at 1 / 2 / 4 tokens with the memory at ~60 GB/s,
-// 1.02x / 1.05x / 1.06x at 1 / 3 / 4 at ~34; 8 tokens 0.99x at ~60. 1 KB about as good.
-// bfloat16 (the AVX512-BF16 kernel below): 1.28x / 1.38x at 1 token (~60 / ~34 GB/s), 1.03x at
-// 2, 0.99x-1.02x at 4 and 8.
+// far prefetch put it, so the FMAs' loads hit L1; this helps most at few tokens (most of all
+// the bfloat16 kernel at one token), where there is least arithmetic to hide an L2 latency.
 constexpr int64_t kSkinnyL1PrefetchBytes = 512;
 
 // Both prefetches of a weight stream at `at`: far_bytes ahead into L2, the near one into L1.
@@ -47,12 +42,10 @@ inline void prefetch_weights(const void* at, int64_t far_bytes) {
   __builtin_prefetch(bytes + kSkinnyL1PrefetchBytes, 0, 3);
 }
 
-// sums[s * kT + t] = the lane sum of acc[s][t] (its kChains chains added): from 16 accumulators
-// in one shuffle tree (hsum16), measured 1.02x / 1.04x faster at 4 / 8 tokens than folding each
-// alone (float32, the 32 linears in a row, ad hoc); fewer fold one at a time. The bfloat16
-// kernel's 32 linears against _mm512_reduce_add_ps per sum: 1.05x / 0.99x / 1.03x / 1.00x at
-// 1 / 2 / 4 / 8 tokens (14 rounds, slow memory state). sums holds lane_sums_size(kStreams * kT)
-// floats.
+// sums[s * kT + t] = the lane sum of acc[s][t] (its kChains chains added): 16 accumulators at a
+// time in one shuffle tree (hsum16), which shares the shuffles among them; fewer are folded one
+// at a time, where a tree would have nothing to share. sums holds
+// lane_sums_size(kStreams * kT) floats.
 constexpr int lane_sums_size(int sums) { return (sums + 15) / 16 * 16; }
 template <int kStreams, int kT, int kChains, typename V>
 inline void lane_sums(const V (&acc)[kStreams][kT][kChains], float* sums) {
@@ -82,10 +75,9 @@ void skinny_rows(const float* x, const scalar_t* w, int64_t K, const int64_t (&f
   // Independent FMA chains: enough accumulators in flight to cover the FMA latency.
   constexpr int kChains = kT * kStreams >= 4 ? 1 : 4 / (kT * kStreams);
   constexpr int64_t kStep = 16 * kChains;
-  // From 6 tokens each token vector is pinned too (else GCC folds its load into every stream's
-  // FMA: 4x the loads): the 32 linears of orca-tiny in a row (ad hoc, alternated in one
-  // process) 1.17x / 1.24x / 1.27x faster at 6 / 7 / 8 tokens; at 2-4 tokens it was slower
-  // (0.75x-0.98x: there the folded loads cost less than the extra instructions), 5 even.
+  // From 6 tokens each token vector is pinned in a register too (else GCC folds its load into
+  // every stream's FMA, one load per stream); with fewer tokens the folded loads cost less than
+  // the extra instructions, so they stay folded.
   constexpr bool kPinTokens = kT >= 6;
   const int64_t k_main = K / kStep * kStep, k_vec = K / 16 * 16;
   for (int64_t i = 0; i < rows; ++i) {
