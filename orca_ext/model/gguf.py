@@ -282,8 +282,8 @@ def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
         if flag and token_id is not None:
             template.append((key, inner.id_to_token(int(token_id)), int(token_id)))
     if template:
-        head = [f"{t}" for k, t, _ in template if k == "bos"]
-        tail = [f"{t}" for k, t, _ in template if k == "eos"]
+        head = [t for k, t, _ in template if k == "bos"]
+        tail = [t for k, t, _ in template if k == "eos"]
         inner.post_processor = processors.TemplateProcessing(
             single=" ".join([*head, "$A", *tail]),
             pair=" ".join([*head, "$A", *tail, *head, "$B", *tail]),
