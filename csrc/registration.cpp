@@ -1,6 +1,5 @@
 // The one TORCH_LIBRARY of orca_ext: every op schema. Kernels register per device in
-// csrc/cpu/*.cpp and csrc/cuda/*.cpp (logits_linear's CUDA kernel, torch ops only, in
-// orca_ext/ops.py); fake (meta) kernels are in orca_ext/ops.py.
+// csrc/cpu/*.cpp and csrc/cuda/*.cpp; fake (meta) kernels are in orca_ext/ops.py.
 #include <torch/library.h>
 
 TORCH_LIBRARY(orca, m) {

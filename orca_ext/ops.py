@@ -1,13 +1,11 @@
 """Typed wrappers and fake (meta) registrations for the ``torch.ops.orca`` ops.
 
 The schemas live in ``csrc/registration.cpp``; CPU kernels in ``csrc/cpu/``, CUDA kernels in
-``csrc/cuda/`` (``logits_linear``'s, torch ops only, here). The fake registrations let
-``torch.compile`` trace the ops without running them.
+``csrc/cuda/``. The fake registrations let ``torch.compile`` trace the ops without running them.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import _C  # noqa: F401  (loads the library that registers torch.ops.orca)
 
@@ -104,55 +102,6 @@ def _packed_linear_fake(x, weight, bias=None, activation="none", residual=None, 
 @torch.library.register_fake("orca::logits_linear")
 def _logits_linear_fake(x, weight, norm="none", norm_weight=None, norm_bias=None, norm_eps=1e-5):
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-
-
-def _check_logits_inputs(x, weight, norm, norm_weight, norm_bias) -> None:
-    """The CUDA kernel's argument checks: the CPU kernel's (csrc/checks.h), with its messages."""
-    if norm not in ("none", "layer_norm", "rms_norm"):
-        raise RuntimeError(f"norm must be one of 'none', 'layer_norm', 'rms_norm', got '{norm}'")
-    for t, name, layout in ((x, "x", "[T, K]"), (weight, "weight", "[N, K]")):
-        if t.dim() != 2:
-            raise RuntimeError(f"{name} must be 2-D {layout}, got shape {list(t.shape)}")
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise RuntimeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
-    if weight.shape[1] != x.shape[1]:
-        raise RuntimeError(f"weight is {list(weight.shape)} but x is {list(x.shape)}: "
-                           "weight.size(1) must equal x.size(1) (K)")
-    if norm == "none" and (norm_weight is not None or norm_bias is not None):
-        raise RuntimeError("norm_weight / norm_bias are given but norm is 'none'")
-    if norm != "none" and norm_weight is None:
-        raise RuntimeError("norm needs norm_weight [K]")
-    if norm == "rms_norm" and norm_bias is not None:
-        raise RuntimeError("rms_norm takes no norm_bias")
-    for t, name in ((weight, "weight"), (norm_weight, "norm_weight"), (norm_bias, "norm_bias")):
-        if t is None:
-            continue
-        if t.dtype != x.dtype:
-            raise RuntimeError(f"{name} has dtype {t.dtype} but x has dtype {x.dtype}; "
-                               "they must match")
-        if t.device != x.device:
-            raise RuntimeError(f"{name} is on {t.device} but x is on {x.device}; they must be "
-                               "on the same device")
-        if t is not weight and t.shape != (x.shape[1],):
-            raise RuntimeError(f"{name} has shape {list(t.shape)} but x has K = {x.shape[1]} "
-                               "columns")
-
-
-@torch.library.register_kernel("orca::logits_linear", "cuda")
-def _logits_linear_cuda(x, weight, norm="none", norm_weight=None, norm_bias=None, norm_eps=1e-5):
-    """cuBLAS's GEMM with a float32 output (``torch.mm``'s ``out_dtype``; it accumulates bfloat16
-    and float16 in float32) on the rows normalized as the CUDA ``packed_linear`` normalizes them
-    (``normalize_rows`` in csrc/checks.h), so no CUDA kernel of ours is needed."""
-    _check_logits_inputs(x, weight, norm, norm_weight, norm_bias)
-    if norm == "layer_norm":
-        x = F.layer_norm(x, (x.shape[1],), norm_weight, norm_bias, norm_eps)
-    elif norm == "rms_norm":
-        h = x.float()
-        h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + norm_eps)
-        x = norm_weight * h.to(x.dtype)
-    if x.dtype == torch.float32:
-        return torch.mm(x, weight.t())
-    return torch.mm(x, weight.t(), out_dtype=torch.float32)
 
 
 @torch.library.register_fake("orca::store_kv")

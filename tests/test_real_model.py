@@ -12,11 +12,10 @@ import pytest
 import torch
 import transformers
 from server_helpers import ServerProcess
-from test_model import SCHEDULE, fragmented_allocator
+from test_model import check_packed_logits
 
 from orca_ext import LLM, SamplingParams
-from orca_ext.executor import KVCache
-from orca_ext.model import AttentionMetadata, load_model, load_model_info
+from orca_ext.model import load_model, load_model_info
 from orca_ext.model.builtin import DEFAULT_MODEL, builtin_gguf_path
 from orca_ext.model.loader import open_checkpoint
 
@@ -74,37 +73,11 @@ def test_every_tensor_equals_transformers_gguf_load(hf_model):
 
 
 def test_packed_mixed_batch_logits_match_transformers(loaded, hf_model):
-    """A chunked prefill, prefills and decodes of four requests packed together per step."""
-    block_size = 16
-    total = {r: sum(n for step in SCHEDULE for q, n in step if q == r) for r in range(4)}
-    gen = torch.Generator().manual_seed(0)
-    tokens = {r: torch.randint(0, 49152, (n,), generator=gen) for r, n in total.items()}
-    with torch.no_grad():
-        expected = {r: hf_model(t[None]).logits[0] for r, t in tokens.items()}
-    blocks = sum(-(-n // block_size) for n in total.values()) + 4
-    kv_cache = KVCache(loaded.config, blocks, block_size, torch.float32)
-    allocator = fragmented_allocator(blocks, block_size)
-    done = dict.fromkeys(total, 0)
-    for step in SCHEDULE:
-        for r, _ in step:
-            if r not in allocator:
-                allocator.allocate(r, total[r])
-        ids = [r for r, _ in step]
-        metadata = allocator.build_metadata(ids, [done[r] for r in ids], [n for _, n in step])
-        input_ids = torch.cat([tokens[r][done[r]:done[r] + n] for r, n in step])
-        with torch.inference_mode():
-            hidden = loaded.model(input_ids, metadata[4], kv_cache,
-                                  AttentionMetadata(*metadata[:4]))
-            logits = loaded.model.compute_logits(hidden, torch.arange(len(input_ids)))
-        row = 0
-        for r, n in step:
-            # Logits reach ~30 here; float32 results of two implementations that sum in
-            # different orders through 30 layers differ by up to ~1e-3 (transformers' own
-            # float32 logits are up to 1.6e-4 from its float64 ones, ours up to 6e-4).
-            torch.testing.assert_close(logits[row:row + n], expected[r][done[r]:done[r] + n],
-                                       atol=1e-3, rtol=1e-4)
-            row += n
-            done[r] += n
+    """A chunked prefill, prefills and decodes of four requests packed together per step.
+    Logits reach ~30 here; float32 results of two implementations that sum in different orders
+    through 30 layers differ by up to ~1e-3 (transformers' own float32 logits are up to 1.6e-4
+    from its float64 ones, ours up to 6e-4)."""
+    check_packed_logits(loaded, hf_model, 49152, 16, "cpu", seed=0, atol=1e-3)
 
 
 def _chat_ids(hf_tokenizer, question: str) -> list[int]:

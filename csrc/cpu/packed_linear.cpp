@@ -308,13 +308,13 @@ void widened_linear(const at::Tensor& x, const at::Tensor& weight, at::Tensor& o
 at::Tensor logits_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in,
                              c10::string_view norm, const std::optional<at::Tensor>& norm_weight,
                              const std::optional<at::Tensor>& norm_bias, double norm_eps) {
-  const InputNorm input_norm = check_linear_inputs(x_in, weight_in, std::nullopt, "none",
-                                                   std::nullopt, norm, norm_weight, norm_bias,
-                                                   norm_eps).norm;
-  if (x_in.scalar_type() == at::kFloat) {
+  if (x_in.scalar_type() == at::kFloat) {  // packed_linear's float32 paths, which check x
     return packed_linear_cpu(x_in, weight_in, std::nullopt, "none", std::nullopt, norm,
                              norm_weight, norm_bias, norm_eps);
   }
+  const InputNorm input_norm = check_linear_inputs(x_in, weight_in, std::nullopt, "none",
+                                                   std::nullopt, norm, norm_weight, norm_bias,
+                                                   norm_eps).norm;
   const at::Tensor x = input_norm.kind == NormKind::kNone
                            ? x_in.contiguous()
                            : normalized_input(x_in.contiguous(), input_norm);

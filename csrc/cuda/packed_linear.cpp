@@ -316,8 +316,26 @@ at::Tensor packed_linear_cuda(const at::Tensor& x_in, const at::Tensor& weight_i
   return residual ? out.add_(*residual) : out;
 }
 
+// cuBLAS's GEMM with a float32 output (at::mm's out_dtype, which accumulates bfloat16 and
+// float16 in float32) on the rows normalized as packed_linear normalizes them.
+at::Tensor logits_linear_cuda(const at::Tensor& x_in, const at::Tensor& weight,
+                              c10::string_view norm, const std::optional<at::Tensor>& norm_weight,
+                              const std::optional<at::Tensor>& norm_bias, double norm_eps) {
+  const InputNorm input_norm = check_linear_inputs(x_in, weight, std::nullopt, "none",
+                                                   std::nullopt, norm, norm_weight, norm_bias,
+                                                   norm_eps).norm;
+  cuda::check_cuda(x_in, "logits_linear", "x");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = input_norm.kind == NormKind::kNone ? x_in : normalize_rows(x_in, input_norm);
+  return x.scalar_type() == at::kFloat ? at::mm(x, weight.t())
+                                       : at::mm(x, weight.t(), at::kFloat);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(orca, CUDA, m) { m.impl("packed_linear", &packed_linear_cuda); }
+TORCH_LIBRARY_IMPL(orca, CUDA, m) {
+  m.impl("packed_linear", &packed_linear_cuda);
+  m.impl("logits_linear", &logits_linear_cuda);
+}
 
 }  // namespace orca

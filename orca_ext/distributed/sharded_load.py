@@ -113,15 +113,7 @@ def _checkpoint_shards(info: ModelInfo, params: dict[str, nn.Parameter],
         for name in wanted:
             spec, shape = weight_map[name], tuple(params[name].shape)
             parts, offset = [], 0
-            for hf_name, rows in zip(spec.names, spec.sizes or (shape[0],)):
-                piece = checkpoint.get_slice(hf_name)
-                expected = (rows, *shape[1:])
-                if spec.transpose:
-                    expected = expected[::-1]
-                if tuple(piece.get_shape()) != expected:
-                    raise ValueError(f"{checkpoint.source}: tensor {hf_name!r} has shape "
-                                     f"{tuple(piece.get_shape())}, expected {expected} from the "
-                                     "config")
+            for rows, piece in checkpoint.parts(spec, shape):
                 parts.append((offset, rows, piece))
                 offset += rows
             shards[name] = take_shard(_part_reader(parts, spec.transpose, shape), ranges(name))

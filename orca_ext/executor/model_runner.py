@@ -97,13 +97,7 @@ class ModelRunner:
             # weight stream has evicted the caches.
             if self.device.type != "cpu":
                 host = tuple(t.to(self.device, non_blocking=True) for t in host)
-            cu_q_lens, context_lens, block_table, slot_mapping, positions, input_ids, indices = host
-            meta = AttentionMetadata(cu_q_lens, context_lens, block_table, slot_mapping)
-            if self.traced is not None:
-                logits = self.traced(input_ids, positions, meta, indices)
-            else:
-                hidden = self.model(input_ids, positions, self.kv_cache, meta)
-                logits = self.model.compute_logits(hidden, indices) if sampled else None
+            logits = self._run(host, bool(sampled))
         if not sampled:
             return output
         result = self.sampler(logits, sampled)
@@ -121,10 +115,14 @@ class ModelRunner:
                 _, context_lens, block_table, slot_mapping, positions, input_ids, _ = host
                 return self.graphs.run(bucket, input_ids, positions, slot_mapping, context_lens,
                                        block_table)
-        cu_q_lens, context_lens, block_table, slot_mapping, positions, input_ids, indices = (
-            self.upload(host))
+        return self._run(self.upload(host), bool(num_sampled))
+
+    def _run(self, inputs: tuple[torch.Tensor, ...], sampled: bool) -> torch.Tensor | None:
+        """One eager (or traced) iteration on the metadata tensors ``inputs`` on the device;
+        without sampled rows an untraced model skips the logits (a prompt chunk: KV only)."""
+        cu_q_lens, context_lens, block_table, slot_mapping, positions, input_ids, indices = inputs
         meta = AttentionMetadata(cu_q_lens, context_lens, block_table, slot_mapping)
-        if num_sampled or self.traced is not None:
+        if sampled or self.traced is not None:
             return self._forward(input_ids, positions, meta, indices)
-        self.model(input_ids, positions, self.kv_cache, meta)  # a prompt chunk: KV only
+        self.model(input_ids, positions, self.kv_cache, meta)
         return None

@@ -79,6 +79,22 @@ class Checkpoint(ABC):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def parts(self, spec: HFWeight, shape: tuple[int, ...]) -> list[tuple[int, Any]]:
+        """(rows, lazy slice) of each checkpoint tensor a parameter of ``shape`` is made of,
+        each checked against the shape the config gives it; a ValueError naming it otherwise."""
+        out = []
+        for name, rows in zip(spec.names, spec.sizes or (shape[0],)):
+            piece = self.get_slice(name)
+            expected = (rows, *shape[1:])
+            if spec.transpose:
+                expected = expected[::-1]
+            if tuple(piece.get_shape()) != expected:
+                raise ValueError(f"{self.source}: tensor {name!r} has shape "
+                                 f"{tuple(piece.get_shape())}, expected {expected} from the "
+                                 "config")
+            out.append((rows, piece))
+        return out
+
     def check_names(self, weight_map: dict[str, HFWeight], architecture: str,
                     ignored: re.Pattern[str]) -> None:
         """Every tensor the map needs is here, and every tensor here is used (or knowingly
@@ -129,18 +145,9 @@ def load_hf_weights(model: nn.Module, weight_map: dict[str, HFWeight], checkpoin
     with checkpoint:
         for our_name, spec in weight_map.items():
             param = params[our_name]
-            parts = []
-            for name, rows in zip(spec.names, spec.sizes or (param.shape[0],)):
-                piece = checkpoint.get_slice(name)
-                expected = (rows, *param.shape[1:])
-                if spec.transpose:
-                    expected = expected[::-1]
-                if tuple(piece.get_shape()) != expected:
-                    raise ValueError(f"{checkpoint.source}: tensor {name!r} has shape "
-                                     f"{tuple(piece.get_shape())}, expected {expected} from the "
-                                     "config")
-                tensor = piece[:]
-                parts.append(tensor.t() if spec.transpose else tensor)
+            parts = [piece[:] for _, piece in checkpoint.parts(spec, tuple(param.shape))]
+            if spec.transpose:
+                parts = [part.t() for part in parts]
             param.copy_(torch.cat(parts) if len(parts) > 1 else parts[0])
 
 
