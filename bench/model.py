@@ -26,12 +26,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import time_fn  # noqa: E402
 
-from orca_ext.batch import ScheduledRequest, SchedulerOutput  # noqa: E402
-from orca_ext.executor import KVCache, ModelRunner, kv_bytes_per_block, num_kv_blocks  # noqa: E402
-from orca_ext.kv import SlotAllocator  # noqa: E402
+from orca_ext.batch import NewRequestData, ScheduledRequest, SchedulerOutput  # noqa: E402
+from orca_ext.kv import KVCache, SlotAllocator, kv_bytes_per_block, num_kv_blocks  # noqa: E402
 from orca_ext.model import load_model  # noqa: E402
 from orca_ext.model.arena import huge_page_empty  # noqa: E402
 from orca_ext.model.layers import Embedding  # noqa: E402
+from orca_ext.runner import ModelRunner  # noqa: E402
 from orca_ext.sampling_params import SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -70,8 +70,8 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     return sum(p.nbytes for p in model.parameters() if id(p) not in row_read)
 
 
-def decode_step_and_bound(runner: ModelRunner, copy: CopyBandwidth, batch: int, context: int,
-                          base_id: int, device: str,
+def decode_step_and_bound(runner: ModelRunner, allocator: SlotAllocator, copy: CopyBandwidth,
+                          batch: int, context: int, base_id: int, device: str,
                           rounds: int) -> tuple[float, float, float]:
     """Prefill ``batch`` requests of ``context`` tokens; then, alternately, time decode steps
     over them, the copy and the scan, ``rounds`` times, so all see the same state of a shared
@@ -80,20 +80,22 @@ def decode_step_and_bound(runner: ModelRunner, copy: CopyBandwidth, batch: int, 
     prompts = torch.randint(0, vocab, (batch, context)).tolist()
     ids = [base_id + i for i in range(batch)]
     for rid in ids:
-        runner.allocator.allocate(rid, context + 1)
-    runner.execute(SchedulerOutput(0, [ScheduledRequest(rid, prompt, 0, GREEDY, prompt, [])
-                                       for rid, prompt in zip(ids, prompts)]))
+        allocator.allocate(rid, context + 1)
+    runner.execute(SchedulerOutput(
+        0, [ScheduledRequest(rid, prompt, 0, allocator.blocks(rid))
+            for rid, prompt in zip(ids, prompts)],
+        [NewRequestData(rid, context, GREEDY) for rid in ids]))
     # Decode at a fixed context (re-writing the same slot each step), so every step is alike.
-    step = SchedulerOutput(1, [ScheduledRequest(rid, [1], context, GREEDY, prompt, [1])
-                               for rid, prompt in zip(ids, prompts)])
+    step = SchedulerOutput(1, [ScheduledRequest(rid, [1], context) for rid in ids])
     steps, bandwidths, scans = [], [], []
     for _ in range(rounds):
         steps.append(time_fn(lambda: runner.execute(step), device, warmup=10, min_runs=20,
                              min_seconds=0.3))
         bandwidths.append(copy.measure())
         scans.append(copy.measure_scan())
+    runner.execute(SchedulerOutput(2, [], finished_request_ids=ids))
     for rid in ids:
-        runner.allocator.free(rid)
+        allocator.free(rid)
     return statistics.median(steps), statistics.median(bandwidths), statistics.median(scans)
 
 
@@ -116,9 +118,9 @@ def main() -> None:
     max_batch = max(args.batch_sizes)
     tokens = max_batch * (args.context + BLOCK_SIZE)
     blocks = num_kv_blocks(loaded.config, BLOCK_SIZE, loaded.dtype, kv_cache_tokens=tokens)
+    allocator = SlotAllocator(blocks, BLOCK_SIZE)
     runner = ModelRunner(loaded.model, KVCache(loaded.config, blocks, BLOCK_SIZE, loaded.dtype,
-                                               args.device),
-                         SlotAllocator(blocks, BLOCK_SIZE))
+                                               args.device))
     copy = CopyBandwidth(args.device)
     weights = weight_bytes_per_step(loaded.model)
     print(f"model {args.model} ({args.dtype}, {args.device}, {torch.get_num_threads()} threads): "
@@ -129,8 +131,9 @@ def main() -> None:
           f"{'x bound':>8} {'+KV x':>7} {'read GB/s':>10} {'scan GB/s':>10} {'x scan':>7} "
           f"{'tokens/s':>9}")
     for i, batch in enumerate(args.batch_sizes):
-        seconds, bandwidth, scan = decode_step_and_bound(runner, copy, batch, args.context,
-                                                         1000 * i, args.device, args.rounds)
+        seconds, bandwidth, scan = decode_step_and_bound(runner, allocator, copy, batch,
+                                                         args.context, 1000 * i, args.device,
+                                                         args.rounds)
         bound = weights / bandwidth
         step_bytes = weights + batch * (args.context + 1) * kv_per_token
         target = "  (target <= 1.50)" if batch <= 4 else ""

@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "kv/metadata.h"
 #include "kv/slot_allocator.h"
 
 namespace py = pybind11;
@@ -12,30 +13,41 @@ using orca::kv::SlotAllocator;
 
 namespace {
 
-py::tuple build_metadata(const SlotAllocator& alloc, const std::vector<int64_t>& request_ids,
+// (cu_q_lens, context_lens, block_table, slot_mapping, positions) CPU tensors for one iteration.
+py::tuple build_metadata(const std::vector<std::vector<int32_t>>& block_ids,
                          const std::vector<int64_t>& num_computed,
-                         const std::vector<int64_t>& num_new) {
-  const int64_t batch = static_cast<int64_t>(request_ids.size());
-  if (num_computed.size() != request_ids.size() || num_new.size() != request_ids.size()) {
-    throw std::invalid_argument("build_metadata: request_ids, num_computed and num_new must have "
-                                "the same length, got " + std::to_string(request_ids.size()) +
+                         const std::vector<int64_t>& num_new, int64_t block_size) {
+  if (num_computed.size() != block_ids.size() || num_new.size() != block_ids.size()) {
+    throw std::invalid_argument("build_metadata: block_ids, num_computed and num_new must have "
+                                "the same length, got " + std::to_string(block_ids.size()) +
                                 ", " + std::to_string(num_computed.size()) + ", " +
                                 std::to_string(num_new.size()));
   }
   const auto shape =
-      alloc.metadata_shape(request_ids.data(), num_computed.data(), num_new.data(), batch);
+      orca::kv::metadata_shape(block_ids, num_computed.data(), num_new.data(), block_size);
   const auto i32 = torch::dtype(torch::kInt32);
   const auto i64 = torch::dtype(torch::kInt64);
+  const int64_t batch = shape.batch;
   auto cu_q_lens = torch::empty({batch + 1}, i32);
   auto context_lens = torch::empty({batch}, i32);
   auto block_table = torch::empty({batch, shape.max_blocks}, i32);
   auto slot_mapping = torch::empty({shape.num_tokens}, i64);
   auto positions = torch::empty({shape.num_tokens}, i64);
-  alloc.fill_metadata(request_ids.data(), num_computed.data(), num_new.data(), shape,
-                      cu_q_lens.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
-                      block_table.data_ptr<int32_t>(), slot_mapping.data_ptr<int64_t>(),
-                      positions.data_ptr<int64_t>());
+  orca::kv::fill_metadata(block_ids, num_computed.data(), num_new.data(), block_size, shape,
+                          cu_q_lens.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
+                          block_table.data_ptr<int32_t>(), slot_mapping.data_ptr<int64_t>(),
+                          positions.data_ptr<int64_t>());
   return py::make_tuple(cu_q_lens, context_lens, block_table, slot_mapping, positions);
+}
+
+// build_metadata for requests as the allocator holds them.
+py::tuple allocator_metadata(const SlotAllocator& alloc, const std::vector<int64_t>& request_ids,
+                             const std::vector<int64_t>& num_computed,
+                             const std::vector<int64_t>& num_new) {
+  std::vector<std::vector<int32_t>> block_ids;
+  block_ids.reserve(request_ids.size());
+  for (const int64_t id : request_ids) block_ids.push_back(alloc.blocks(id));
+  return build_metadata(block_ids, num_computed, num_new, alloc.block_size());
 }
 
 // Each row's argmax of float32 logits [rows, vocab] on the CPU, as torch.argmax gives it (the
@@ -96,9 +108,13 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("num_free_blocks", &SlotAllocator::num_free_blocks)
       .def_property_readonly("num_used_blocks", &SlotAllocator::num_used_blocks)
       .def_property_readonly("num_requests", &SlotAllocator::num_requests)
-      .def("build_metadata", &build_metadata, py::arg("request_ids"), py::arg("num_computed"),
-           py::arg("num_new"),
+      .def("build_metadata", &allocator_metadata, py::arg("request_ids"),
+           py::arg("num_computed"), py::arg("num_new"),
            "(cu_q_lens, context_lens, block_table, slot_mapping, positions) for one iteration");
+  m.def("build_metadata", &build_metadata, py::arg("block_ids"), py::arg("num_computed"),
+        py::arg("num_new"), py::arg("block_size"),
+        "(cu_q_lens, context_lens, block_table, slot_mapping, positions) for one iteration, "
+        "from each request's block ids");
   m.def("argmax_rows", &argmax_rows, py::arg("logits"),
         "Each row's argmax of float32 CPU logits [rows, vocab] (as torch.argmax), as a list");
 }

@@ -2,6 +2,8 @@
 // csrc/cpu/*.cpp and csrc/cuda/*.cpp; fake (meta) kernels are in orca_ext/ops.py.
 #include <torch/library.h>
 
+#include "cpu/decoder_stack.h"
+
 TORCH_LIBRARY(orca, m) {
   m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias, str activation=\"none\", "
         "Tensor? residual=None, str norm=\"none\", Tensor? norm_weight=None, "
@@ -12,10 +14,21 @@ TORCH_LIBRARY(orca, m) {
         "Tensor slot_mapping) -> ()");
   m.def("ragged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_q_lens, "
         "Tensor context_lens, Tensor block_table, float scale) -> Tensor");
-  m.def("decoder_layers(Tensor x, Tensor[] norm_weights, Tensor[] norm_biases, "
-        "Tensor[] weights, Tensor[] qkv_biases, Tensor[] out_biases, Tensor[] up_biases, "
-        "Tensor[] down_biases, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
-        "Tensor cu_q_lens, Tensor context_lens, Tensor block_table, Tensor slot_mapping, "
-        "Tensor? rotary_cos, Tensor? rotary_sin, str norm, float norm_eps, str activation, "
-        "int num_heads, int num_kv_heads, float[] scales) -> Tensor");
+  // A model's decoder blocks prepared once for decode steps on the CPU (cpu/decoder_stack.h).
+  m.class_<orca::DecoderStack>("DecoderStack")
+      .def(torch::init<std::string, double, std::string, int64_t, int64_t, int64_t>(), "",
+           {torch::arg("norm"), torch::arg("norm_eps"), torch::arg("activation"),
+            torch::arg("num_heads"), torch::arg("num_kv_heads"), torch::arg("head_dim")})
+      .def("add_layer", &orca::DecoderStack::add_layer, "",
+           {torch::arg("attn_norm_weight"), torch::arg("attn_norm_bias"),
+            torch::arg("qkv_weight"), torch::arg("qkv_bias"), torch::arg("out_weight"),
+            torch::arg("out_bias"), torch::arg("mlp_norm_weight"), torch::arg("mlp_norm_bias"),
+            torch::arg("up_weight"), torch::arg("up_bias"), torch::arg("down_weight"),
+            torch::arg("down_bias"), torch::arg("scale")})
+      .def("forward", &orca::DecoderStack::forward, "",
+           {torch::arg("x"), torch::arg("k_caches"), torch::arg("v_caches"),
+            torch::arg("cu_q_lens"), torch::arg("context_lens"), torch::arg("block_table"),
+            torch::arg("slot_mapping"), torch::arg("rotary_cos"), torch::arg("rotary_sin")})
+      .def("num_layers", &orca::DecoderStack::num_layers)
+      .def("max_tokens", &orca::DecoderStack::max_tokens);
 }

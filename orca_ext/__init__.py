@@ -4,6 +4,8 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _build_check  # noqa: F401  (before _C: is this the torch it was built against?)
 from . import _C, ops  # noqa: F401  (registers torch.ops.orca)
 from .async_engine import AsyncEngine, EngineDeadError
+from .build import build_engine
+from .config import EngineConfig
 from .llm import LLM
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
@@ -16,5 +18,5 @@ def has_cuda() -> bool:
     return _C.has_cuda()
 
 
-__all__ = ["AsyncEngine", "CompletionOutput", "EngineDeadError", "LLM", "RequestOutput",
-           "SamplingParams", "__version__", "has_cuda", "ops"]
+__all__ = ["AsyncEngine", "CompletionOutput", "EngineConfig", "EngineDeadError", "LLM",
+           "RequestOutput", "SamplingParams", "__version__", "build_engine", "has_cuda", "ops"]

@@ -12,10 +12,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
 
 from .engine import Engine, EngineStats
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
 
 
 class EngineDeadError(RuntimeError):
@@ -49,11 +55,11 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def from_model(cls, model: str, *, stuck_timeout: float = 300.0, **engine_args) -> AsyncEngine:
-        """Load a model as ``LLM`` does (same keyword arguments) and serve it."""
-        from .llm import build_engine
+    def from_config(cls, config: EngineConfig, *, stuck_timeout: float = 300.0) -> AsyncEngine:
+        """Build the engine ``config`` describes and serve it."""
+        from .build import build_engine
 
-        return cls(build_engine(model, **engine_args), stuck_timeout=stuck_timeout)
+        return cls(build_engine(config), stuck_timeout=stuck_timeout)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -113,16 +119,8 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            while not self._stopping:
-                self._wake.clear()
-                if not self.engine.has_unfinished():
-                    self._wake.wait()
-                    continue
-                self._step_started = time.monotonic()
-                outputs = self.engine.step()
-                self._step_started = None
-                for output in outputs:
-                    self._deliver(output.request_id, output)
+            with torch.inference_mode():
+                self._loop()
             error = EngineDeadError("the engine was shut down")
         except BaseException as exc:  # noqa: BLE001  (report any failure to every stream)
             error = EngineDeadError(f"the engine loop failed: {exc!r}")
@@ -130,6 +128,18 @@ class AsyncEngine:
         self._error = error
         for request_id in list(self._streams):
             self._deliver(request_id, error)
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._wake.clear()
+            if not self.engine.has_unfinished():
+                self._wake.wait()
+                continue
+            self._step_started = time.monotonic()
+            outputs = self.engine.step()
+            self._step_started = None
+            for output in outputs:
+                self._deliver(output.request_id, output)
 
     def _deliver(self, request_id: str, item: RequestOutput | EngineDeadError) -> None:
         stream = self._streams.get(request_id)

@@ -1,63 +1,59 @@
 """Plain data passed between the scheduler and the model executor (no tensors).
 
 One engine step is ``Scheduler.schedule() -> SchedulerOutput``, ``executor.execute(output) ->
-RunnerOutput``, ``Scheduler.update(runner_output)``. Request ids here are the engine's internal
-integer ids; they are also the ids the C++ ``SlotAllocator`` knows.
+RunnerOutput``, ``Scheduler.update(runner_output)``. A ``SchedulerOutput`` carries a new request's
+data once and then only what changed (vLLM v1's scheme), so it stays small on the distributed
+control plane; the runner keeps each request's state (``runner/inputs.py``). Request ids here are
+the engine's internal integer ids; they are also the ids the C++ ``SlotAllocator`` knows.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .sampling_params import SamplingParams
 
 
 @dataclass
+class NewRequestData:
+    """A request the runner has not seen yet (new, or back after a preemption): what stays the
+    same for its life, sent once. Its tokens arrive as its ``ScheduledRequest.token_ids``; the
+    first ``num_prompt_tokens`` of them are the prompt."""
+
+    request_id: int
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+
+
+@dataclass
 class ScheduledRequest:
-    """One request's share of an iteration.
+    """One request's share of an iteration, as a delta to what the runner already holds.
 
     ``token_ids`` are the tokens to run now (a whole prompt, a prompt chunk, or the last sampled
-    token); they sit at positions ``num_computed .. num_computed + len(token_ids) - 1``. ``sample``
-    is False for a prompt chunk that is not the last one (its logits are not needed).
-    ``prompt_token_ids`` / ``output_token_ids`` are the request's own lists (read-only for the
-    executor), used by the repetition/presence/frequency penalties. ``num_padding`` tokens run
-    after ``token_ids`` (request-level batching pads prompts to the batch's longest): their KV
-    goes to the request's next slots, which its later tokens overwrite, and their outputs are
-    dropped.
+    token); they sit at positions ``num_computed .. num_computed + len(token_ids) - 1``.
+    ``new_block_ids`` are the KV blocks given to the request since its last batch (all of them
+    the first time). ``sample`` is False for a prompt chunk that is not the last one (its logits
+    are not needed). ``num_padding`` tokens run after ``token_ids`` (request-level batching pads
+    prompts to the batch's longest): their KV goes to the request's next slots, which its later
+    tokens overwrite, and their outputs are dropped.
     """
 
     request_id: int
     token_ids: list[int]
     num_computed: int
-    sampling_params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    new_block_ids: list[int] = field(default_factory=list)
     sample: bool = True
     num_padding: int = 0
 
 
-def packed_rows(requests: Sequence[ScheduledRequest]) -> tuple[list[int], list[int], list[int]]:
-    """An iteration's packed token ids (padding included: it repeats the last token), each
-    request's number of rows, and the row of each sampled request's last real token."""
-    token_ids: list[int] = []
-    num_rows: list[int] = []
-    sample_rows: list[int] = []
-    for r in requests:
-        token_ids.extend(r.token_ids)
-        if r.num_padding:
-            token_ids.extend(r.token_ids[-1:] * r.num_padding)
-        num_rows.append(len(r.token_ids) + r.num_padding)
-        if r.sample:
-            sample_rows.append(len(token_ids) - 1 - r.num_padding)
-    return token_ids, num_rows, sample_rows
-
-
 @dataclass
 class SchedulerOutput:
+    """One batch, self-contained for a runner that has applied the batches before it:
+    ``finished_request_ids`` first (requests that ended, were aborted or preempted since the
+    last batch: the runner drops their state), then ``new_requests``, then ``requests``."""
+
     batch_id: int
     requests: list[ScheduledRequest]
-    # Requests that ended (finished, aborted or preempted) since the last batch: the executor
-    # drops any per-request state it keeps for them (e.g. seeded generators).
+    new_requests: list[NewRequestData] = field(default_factory=list)
     finished_request_ids: list[int] = field(default_factory=list)
 
     @property

@@ -19,6 +19,15 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerStats
 
 
+class PromptError(ValueError):
+    """A prompt the engine cannot take; ``param`` names the field, ``code`` is
+    ``"context_length_exceeded"`` for one longer than the context."""
+
+    def __init__(self, message: str, param: str = "prompt", code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
 class Executor(Protocol):
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput: ...
 
@@ -112,7 +121,7 @@ class Engine:
         """Queue a request. Bad input raises ValueError naming the field, and changes nothing.
         With ``stream`` False (or a scheduler that ``holds_outputs``), ``step`` reports the
         request only once it has finished."""
-        prompt_text, prompt_ids = self._tokenize(prompt)
+        prompt_text, prompt_ids = self.tokenize(prompt)
         params = self._check_params(params)
         # vLLM's rule: prompt + output <= max_model_len, but always at least one new token.
         max_new = min(params.max_tokens, max(1, self.max_model_len - len(prompt_ids)))
@@ -187,24 +196,34 @@ class Engine:
                                num_requests=len(self._groups),
                                num_generated_tokens=self.num_generated_tokens)
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: str | list[int], *, add_special_tokens: bool = True,
+                 param: str = "prompt") -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids) and its token ids, checked: the one prompt
+        validator, for ``add_request`` and the servers. Bad input raises ``PromptError``."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt: text needs a tokenizer; pass token ids instead")
-            text, ids = prompt, (self.tokenizer.encode(prompt) if prompt else [])
+                raise PromptError(f"{param}: text needs a tokenizer; send token ids instead",
+                                  param)
+            text, ids = prompt, []
+            if prompt:
+                try:
+                    ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+                except TypeError:  # a tokenizer whose encode takes no such argument
+                    ids = self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError("prompt: token ids must be integers")
+                raise PromptError(f"{param}: token ids must be integers", param)
         if not ids:
-            raise ValueError("prompt: must not be empty")
+            raise PromptError(f"{param}: must not be empty", param)
         bad = [t for t in ids if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
         if bad:
-            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary "
-                             f"(size {self.vocab_size})")
+            raise PromptError(f"{param}: token id {bad[0]} is outside the vocabulary "
+                              f"(size {self.vocab_size})", param)
         if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens is longer than the context "
-                             f"(max_model_len={self.max_model_len})")
+            raise PromptError(f"This model's maximum context length is {self.max_model_len} "
+                              f"tokens, but the {param} has {len(ids)} tokens", param,
+                              "context_length_exceeded")
         return text, ids
 
     def _check_params(self, params: SamplingParams | None) -> SamplingParams:

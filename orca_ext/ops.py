@@ -2,6 +2,8 @@
 
 The schemas live in ``csrc/registration.cpp``; CPU kernels in ``csrc/cpu/``, CUDA kernels in
 ``csrc/cuda/``. The fake registrations let ``torch.compile`` trace the ops without running them.
+A model's decoder blocks prepared for decode steps on the CPU are ``torch.classes.orca.
+DecoderStack`` (``runner/decoder_stack.py`` builds one).
 """
 from __future__ import annotations
 
@@ -60,38 +62,6 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                            block_table, scale)
 
 
-def decoder_layers(x: torch.Tensor, norm_weights: list[torch.Tensor],
-                   norm_biases: list[torch.Tensor], weights: list[torch.Tensor],
-                   biases: tuple[list[torch.Tensor], ...], k_caches: list[torch.Tensor],
-                   v_caches: list[torch.Tensor], cu_q_lens: torch.Tensor,
-                   context_lens: torch.Tensor, block_table: torch.Tensor,
-                   slot_mapping: torch.Tensor, rotary_cos: torch.Tensor | None,
-                   rotary_sin: torch.Tensor | None, norm: str, norm_eps: float, activation: str,
-                   num_heads: int, num_kv_heads: int, scales: list[float]) -> torch.Tensor:
-    """A stack of pre-norm transformer blocks on packed tokens ``x [T, hidden]`` (CPU); returns
-    the new hidden states and stores each layer's new K/V in its cache. ``biases`` is the
-    (qkv, out, up, down) biases, each list empty (none) or one per layer; ``norm_biases`` is
-    empty or two per layer. Per layer ``l``::
-
-        qkv = packed_linear(x, weights[4l], qkv_bias, norm=norm, norm_weight=norm_weights[2l],
-                            norm_bias=...)  # [T, (Hq + 2 Hkv) * D]: the q, k, v heads
-        q, k = rotary(q, k)  # rotate-half by rotary_cos / rotary_sin [T, D / 2], if given
-        store_kv(k, v, k_caches[l], v_caches[l], slot_mapping)
-        x = packed_linear(ragged_attention(q, ..., scales[l]), weights[4l + 1], out_bias,
-                          residual=x)
-        x = packed_linear(packed_linear(x, weights[4l + 2], up_bias, activation, norm=norm,
-                                        norm_weight=norm_weights[2l + 1], ...),
-                          weights[4l + 3], down_bias, residual=x)
-
-    Up to 8 tokens (decode at small batch) the whole stack runs in one parallel region, without
-    the per-op dispatches and fork-joins; more run op by op.
-    """
-    return torch.ops.orca.decoder_layers(x, norm_weights, norm_biases, weights, *biases, k_caches,
-                                         v_caches, cu_q_lens, context_lens, block_table,
-                                         slot_mapping, rotary_cos, rotary_sin, norm, norm_eps,
-                                         activation, num_heads, num_kv_heads, scales)
-
-
 @torch.library.register_fake("orca::packed_linear")
 def _packed_linear_fake(x, weight, bias=None, activation="none", residual=None, norm="none",
                         norm_weight=None, norm_bias=None, norm_eps=1e-5):
@@ -112,11 +82,3 @@ def _store_kv_fake(key, value, k_cache, v_cache, slot_mapping):
 @torch.library.register_fake("orca::ragged_attention")
 def _ragged_attention_fake(q, k_cache, v_cache, cu_q_lens, context_lens, block_table, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-
-@torch.library.register_fake("orca::decoder_layers")
-def _decoder_layers_fake(x, norm_weights, norm_biases, weights, qkv_biases, out_biases,
-                         up_biases, down_biases, k_caches, v_caches,
-                         cu_q_lens, context_lens, block_table, slot_mapping, rotary_cos,
-                         rotary_sin, norm, norm_eps, activation, num_heads, num_kv_heads, scales):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -25,6 +25,9 @@ class Request:
     all_token_ids: list[int] = field(init=False)
     num_computed: int = 0
     in_flight: bool = False  # inside a batch the executor has not returned yet
+    # KV blocks the runner has been told of; None: the runner does not know the request (it is
+    # new, or was preempted and its state dropped).
+    num_sent_blocks: int | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string
 

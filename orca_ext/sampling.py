@@ -10,12 +10,26 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from . import _C
-from .batch import ScheduledRequest, TokenLogprobs
+from .batch import TokenLogprobs
 from .sampling_params import SamplingParams
+
+
+class SampledRequest(Protocol):
+    """What the sampler reads of a request (the runner's ``RequestState``)."""
+
+    request_id: int
+    sampling_params: SamplingParams
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
 
 
 @dataclass
@@ -35,7 +49,7 @@ def _token_table(rows: Sequence[Sequence[int]], pad: int, device: torch.device) 
                         device=device).view(len(rows), width)
 
 
-def apply_penalties(logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, requests: Sequence[SampledRequest]) -> torch.Tensor:
     """Repetition penalty over prompt + output tokens (HF/vLLM: positive logits divided, negative
     multiplied); presence and frequency penalties over output tokens (OpenAI)."""
     num_rows, vocab = logits.shape
@@ -98,7 +112,7 @@ class Sampler:
             self._generators.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor,
-                 requests: Sequence[ScheduledRequest]) -> SamplerOutput:
+                 requests: Sequence[SampledRequest]) -> SamplerOutput:
         params = [r.sampling_params for r in requests]
         if all(p.greedy and p.logprobs is None and not _has_penalty(p) for p in params):
             # The common decode case: one argmax (each torch call here costs microseconds
@@ -122,7 +136,7 @@ class Sampler:
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, self._logprobs(logits, tokens, params))
 
-    def _exponentials(self, probs: torch.Tensor, requests: Sequence[ScheduledRequest],
+    def _exponentials(self, probs: torch.Tensor, requests: Sequence[SampledRequest],
                       greedy: list[bool]) -> torch.Tensor:
         """Exp(1) noise ``[S, vocab]``: seeded rows from their own generator, the rest from
         torch's default one."""

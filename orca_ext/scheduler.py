@@ -1,7 +1,8 @@
 """Iteration-level scheduling: Orca's Select and the policies behind one interface.
 
-The scheduler moves request ids, token ids and KV block bookkeeping only, never tensors: the
-executor turns a ``SchedulerOutput`` into tensors through the allocator's ``build_metadata``.
+The scheduler moves request ids, token ids and KV block ids only, never tensors: each batch's
+``SchedulerOutput`` tells the runner what changed (new requests once, then the tokens to run and
+the blocks added), and the runner builds the tensors from its own copy.
 Requests are served first-come first-served: every policy walks them in arrival order and stops
 (never skips ahead) at the first one that does not fit, so a later request never overtakes.
 """
@@ -13,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .batch import RunnerOutput, ScheduledRequest, SchedulerOutput
+from .batch import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
 from .request import Request
 
 if TYPE_CHECKING:
@@ -126,16 +127,26 @@ class Scheduler:
         picked = [] if full else self._select()
         if not picked:
             return SchedulerOutput(self._next_batch_id, [])
-        scheduled = []
+        scheduled, new_requests = [], []
+        block_size = self.allocator.block_size
         for request, num_new in picked:
             request.in_flight = True
+            if request.num_sent_blocks is None:
+                new_requests.append(NewRequestData(request.request_id,
+                                                   len(request.prompt_token_ids),
+                                                   request.sampling_params))
+                request.num_sent_blocks = 0
+            num_blocks = self.allocator.capacity(request.request_id) // block_size
+            new_block_ids = []
+            if num_blocks > request.num_sent_blocks:
+                new_block_ids = self.allocator.blocks(request.request_id)[request.num_sent_blocks:]
+                request.num_sent_blocks = num_blocks
             start = request.num_computed
             scheduled.append(ScheduledRequest(
                 request.request_id, request.all_token_ids[start:start + num_new], start,
-                request.sampling_params, request.prompt_token_ids, request.output_token_ids,
-                sample=start + num_new == request.num_tokens,
+                new_block_ids, sample=start + num_new == request.num_tokens,
                 num_padding=self._padding(request)))
-        output = SchedulerOutput(self._next_batch_id, scheduled, self._ended)
+        output = SchedulerOutput(self._next_batch_id, scheduled, new_requests, self._ended)
         self._batches[output.batch_id] = picked
         self._next_batch_id += 1
         self._ended = []
@@ -335,6 +346,7 @@ class PagedScheduler(Scheduler):
     def _preempt(self, request: Request) -> None:
         self.allocator.free(request.request_id)
         request.num_computed = 0
+        request.num_sent_blocks = None
         self.running.remove(request)
         self.waiting.appendleft(request)  # victims go latest first, so arrival order holds
         self._ended.append(request.request_id)

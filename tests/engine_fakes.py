@@ -8,7 +8,9 @@ from collections import deque
 import pytest
 import torch
 
-from orca_ext.batch import RunnerOutput, SchedulerOutput, TokenLogprobs, packed_rows
+from orca_ext.batch import (NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput,
+                          TokenLogprobs)
+from orca_ext.runner.inputs import InputBatch
 
 
 class KVCacheFullError(RuntimeError):
@@ -73,27 +75,6 @@ class FakeSlotAllocator:
     def __contains__(self, request_id: int) -> bool:
         return request_id in self._blocks
 
-    def build_metadata(self, request_ids, num_computed, num_new):
-        bs = self._block_size
-        tables = [self._get(r) for r in request_ids]
-        context = [c + n for c, n in zip(num_computed, num_new)]
-        for r, table, ctx in zip(request_ids, tables, context):
-            if ctx > len(table) * bs:
-                raise ValueError(f"request {r}: {ctx} tokens do not fit its blocks")
-        width = max((len(t) for t in tables), default=0)
-        block_table = torch.zeros(len(tables), width, dtype=torch.int32)
-        for row, table in enumerate(tables):
-            block_table[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
-        positions = [p for c, n in zip(num_computed, num_new) for p in range(c, c + n)]
-        slots = [tables[row][p // bs] * bs + p % bs
-                 for row, (c, n) in enumerate(zip(num_computed, num_new)) for p in range(c, c + n)]
-        cu = [0]
-        for n in num_new:
-            cu.append(cu[-1] + n)
-        return (torch.tensor(cu, dtype=torch.int32), torch.tensor(context, dtype=torch.int32),
-                block_table, torch.tensor(slots, dtype=torch.int64),
-                torch.tensor(positions, dtype=torch.int64))
-
 
 def _real_allocator():
     kv = pytest.importorskip("orca_ext.kv", reason="C++ SlotAllocator not built")
@@ -135,32 +116,37 @@ class KVFakeRunner:
         self.vocab = vocab
         self.kv: dict[int, int] = {}
         self.batches: list[SchedulerOutput] = []
+        # The real runner's copy of its requests, kept only from the scheduler's deltas.
+        self.inputs = InputBatch(allocator.block_size)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.batches.append(out)
         reqs = out.requests
-        ids = [r.request_id for r in reqs]
-        token_ids, num_rows, _ = packed_rows(reqs)  # padding stores KV, later overwritten
-        cu, ctx, table, slots, positions = self.allocator.build_metadata(
-            ids, [r.num_computed for r in reqs], num_rows)
+        inputs = self.inputs.prepare(out)
+        held = [b for state in self.inputs.requests.values() for b in state.block_ids]
+        assert len(held) == len(set(held)), "two live requests hold the same KV block"
+        meta = inputs.meta
+        num_rows = [len(r.token_ids) + r.num_padding for r in reqs]
         expected_pos = [r.num_computed + i for r, n in zip(reqs, num_rows) for i in range(n)]
-        assert positions.tolist() == expected_pos
-        assert cu.tolist()[-1] == len(expected_pos)
-        for token, slot in zip(token_ids, slots.tolist()):
+        assert inputs.positions.tolist() == expected_pos
+        assert meta.cu_q_lens.tolist()[-1] == len(expected_pos)
+        # Padding stores KV too, later overwritten.
+        for token, slot in zip(inputs.input_ids.tolist(), meta.slot_mapping.tolist()):
             self.kv[slot] = token
         bs = self.allocator.block_size
         sampled_ids, sampled, logprobs = [], [], []
         for row, r in enumerate(reqs):
             if not r.sample:
                 continue
-            n = int(ctx[row]) - r.num_padding  # the context up to the last real token
-            blocks = table[row].tolist()
+            state = self.inputs.requests[r.request_id]
+            n = int(meta.context_lens[row]) - r.num_padding  # up to the last real token
+            blocks = meta.block_table[row].tolist()
             context = [self.kv[blocks[p // bs] * bs + p % bs] for p in range(n)]
-            assert context == r.prompt_token_ids + r.output_token_ids, f"bad KV for {r.request_id}"
-            token = next_token(context, self.vocab, r.sampling_params.seed or 0)
+            assert context == state.token_ids, f"bad KV for {r.request_id}"
+            token = next_token(context, self.vocab, state.sampling_params.seed or 0)
             sampled_ids.append(r.request_id)
             sampled.append(token)
-            k = r.sampling_params.logprobs
+            k = state.sampling_params.logprobs
             logprobs.append(None if k is None else TokenLogprobs(
                 -0.25, {(token + i) % self.vocab: -0.25 * (i + 1) for i in range(k)}))
         return RunnerOutput(out.batch_id, sampled_ids, sampled, logprobs)
@@ -215,3 +201,35 @@ class ByteTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return bytes(token_ids).decode(errors="replace")
+
+
+class ScriptedBatches:
+    """Self-contained ``SchedulerOutput``s for driving a runner by hand, as the scheduler sends
+    them: a request's data once, then the tokens to run and the blocks added since."""
+
+    def __init__(self, allocator) -> None:
+        self.allocator = allocator
+        self.sent: dict[int, int] = {}  # request -> blocks the runner has been told of
+        self.ended: list[int] = []
+        self.batch_id = 0
+
+    def free(self, request_id: int) -> None:
+        self.allocator.free(request_id)
+        self.sent.pop(request_id, None)
+        self.ended.append(request_id)
+
+    def batch(self, rows) -> SchedulerOutput:
+        """``rows``: (request_id, token_ids, num_computed, params, num_prompt_tokens, sample)."""
+        new, scheduled = [], []
+        for request_id, token_ids, num_computed, params, num_prompt, sample in rows:
+            if request_id not in self.sent:
+                new.append(NewRequestData(request_id, num_prompt, params))
+                self.sent[request_id] = 0
+            blocks = self.allocator.blocks(request_id)
+            scheduled.append(ScheduledRequest(request_id, list(token_ids), num_computed,
+                                              blocks[self.sent[request_id]:], sample))
+            self.sent[request_id] = len(blocks)
+        out = SchedulerOutput(self.batch_id, scheduled, new, self.ended)
+        self.batch_id += 1
+        self.ended = []
+        return out

@@ -18,10 +18,10 @@ SPEC = serving.WorkloadSpec("orca", (8, 48), (1, 12), max_model_len=1024, vocab_
 @pytest.fixture(scope="module")
 def async_engine():
     from orca_ext.async_engine import AsyncEngine
-    from orca_ext.llm import build_engine
+    from orca_ext import EngineConfig, build_engine
 
-    engine = AsyncEngine(build_engine("orca-tiny", device="cpu", max_batch_size=4,
-                                      kv_cache_tokens=4 * 64))
+    engine = AsyncEngine(build_engine(EngineConfig("orca-tiny", device="cpu", max_batch_size=4,
+                                                   kv_cache_tokens=4 * 64)))
     yield engine
     engine.shutdown()
 

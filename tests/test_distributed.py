@@ -24,7 +24,7 @@ from orca_ext.distributed import ParallelConfig, WorkerError
 from orca_ext.distributed.sharded_load import build_meta_model, load_shards
 from orca_ext.distributed.tensor_parallel import (ROW, VOCAB, Split, param_split, shard_tensor,
                                                   tp_plan)
-from orca_ext.llm import LLM, build_engine
+from orca_ext import LLM, EngineConfig, build_engine
 from orca_ext.model import load_model, load_model_info
 from orca_ext.sampling_params import SamplingParams
 from gguf_files import make_model as make_gguf_model
@@ -96,7 +96,7 @@ def test_stage_split_and_model_checks():
     with pytest.raises(ValueError, match="master_port"):
         ParallelConfig(tensor_parallel_size=2, nnodes=2)
     with pytest.raises(ValueError, match="loaded model"):
-        build_engine(load_model("orca-tiny"), tensor_parallel_size=2)
+        build_engine(EngineConfig(load_model("orca-tiny"), tensor_parallel_size=2))
 
 
 def test_shards_reassemble_the_full_tensor():
@@ -218,8 +218,8 @@ def test_killed_worker_fails_requests_cleanly():
     pytest.importorskip("fastapi")
     from orca_ext.server import create_app
 
-    engine = build_engine("orca-tiny", **ENGINE_ARGS, parallel_config=ParallelConfig(
-        1, 2, worker_threads=1))
+    engine = build_engine(EngineConfig("orca-tiny", **ENGINE_ARGS,
+                                       parallel_config=ParallelConfig(1, 2, worker_threads=1)))
     executor = engine.executor
     async_engine = AsyncEngine(engine)
     app = create_app(async_engine)

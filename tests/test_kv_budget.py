@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from orca_ext import LLM
-from orca_ext.executor import kv_cache
-from orca_ext.executor.kv_cache import (DEFAULT_KV_CAP_BYTES, kv_bytes_per_block,
+from orca_ext.kv import cache as kv_cache
+from orca_ext.kv.cache import (DEFAULT_KV_CAP_BYTES, kv_bytes_per_block,
                                         plan_kv_blocks)
 from orca_ext.model import ModelConfig, load_model
 from orca_ext.model import loader
@@ -71,7 +71,7 @@ def test_the_engine_raises_before_allocating_and_logs_its_choice(monkeypatch, ca
     _with_memory(monkeypatch, 1 * GIB)
     with pytest.raises(ValueError, match="more than the 1.00 GiB"):
         LLM(loaded, kv_cache_memory=2 * GIB)
-    with caplog.at_level(logging.INFO, logger="orca_ext.llm"):
+    with caplog.at_level(logging.INFO, logger="orca_ext.build"):
         LLM(loaded, max_batch_size=2)
     tokens = 2 * BUILTIN_MODELS["orca-tiny"]["n_positions"]
     assert any(f"= {tokens} tokens" in r.getMessage() and "max_batch_size x context"

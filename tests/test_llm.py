@@ -9,7 +9,7 @@ import pytest
 model_lib = pytest.importorskip("orca_ext.model", reason="model side not importable")
 
 from orca_ext.async_engine import AsyncEngine  # noqa: E402
-from orca_ext.llm import LLM, build_engine  # noqa: E402
+from orca_ext import LLM, EngineConfig, build_engine  # noqa: E402
 from orca_ext.sampling_params import SamplingParams  # noqa: E402
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "a" * 40, "Orca", "x",
@@ -40,7 +40,7 @@ def expected(loaded):
     dict(policy="paged", max_batch_size=8, kv_cache_tokens=1024, max_num_batched_tokens=16),
 ], ids=["orca", "orca-bs3-block1", "request", "paged-preempt", "paged-chunked"])
 def test_same_greedy_outputs_whatever_the_schedule(loaded, expected, kwargs):
-    engine = build_engine(loaded, **kwargs)
+    engine = build_engine(EngineConfig(loaded, **kwargs))
     for i, prompt in enumerate(PROMPTS):  # staggered arrivals: one new request per step
         engine.add_request(str(i), prompt, GREEDY)
         engine.step()
@@ -87,7 +87,8 @@ def test_bad_input_keeps_llm_usable(loaded, expected):
 
 
 def test_async_engine_streams(loaded, expected):
-    engine = AsyncEngine(build_engine(loaded, max_batch_size=4, kv_cache_tokens=1024))
+    engine = AsyncEngine(build_engine(EngineConfig(loaded, max_batch_size=4,
+                                                   kv_cache_tokens=1024)))
 
     async def main():
         async def one(i):

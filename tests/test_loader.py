@@ -9,8 +9,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from orca_ext.kv import SlotAllocator
-from orca_ext.executor import KVCache
+from orca_ext.kv import KVCache, SlotAllocator
 from orca_ext.model import (AttentionMetadata, ModelConfig, load_model, save_pretrained_folder)
 from tiny_models import VOCAB, make_hf_model, save_hf_model
 

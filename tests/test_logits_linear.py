@@ -6,10 +6,11 @@ import torch
 import orca_ext  # noqa: F401
 import reference_ops as ref
 from orca_ext import ops
-from orca_ext.executor.graph import trace_iteration
-from orca_ext.executor.kv_cache import KVCache
+from engine_fakes import ScriptedBatches
+from orca_ext.kv import KVCache, SlotAllocator
 from orca_ext.model import load_model
-from orca_ext.model.layers import AttentionMetadata
+from orca_ext.runner import ModelRunner
+from orca_ext.sampling_params import SamplingParams
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 NORM_TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 4e-3}
@@ -134,17 +135,18 @@ def test_bfloat16_model_logits(num_rows):
                                 torch.bfloat16)
 
 
-def test_traced_iteration_records_logits_linear():
+def test_runner_step_gives_float32_logits():
+    """A bfloat16 model's logits through the runner's stack step are logits_linear's float32
+    sums, not rounded to bfloat16."""
     loaded = load_model("orca-tiny", dtype="bfloat16")
-    traced = trace_iteration(loaded.model, KVCache(loaded.config, 4, 4, torch.bfloat16))
-    assert traced is not None
-    assert "orca::logits_linear" in str(traced.graph.graph)
-    ids, positions = torch.tensor([65, 66, 67]), torch.arange(3)
-    meta = AttentionMetadata(torch.tensor([0, 3], dtype=torch.int32),
-                             torch.tensor([3], dtype=torch.int32),
-                             torch.tensor([[0]], dtype=torch.int32), torch.arange(3))
+    runner = ModelRunner(loaded.model, KVCache(loaded.config, 4, 4, torch.bfloat16))
+    allocator = SlotAllocator(4, 4)
+    allocator.allocate(0, 3)
+    batch = ScriptedBatches(allocator).batch([(0, [65, 66, 67], 0, SamplingParams(), 3, True)])
     with torch.inference_mode():
-        logits = traced(ids, positions, meta, torch.tensor([1, 2]))
+        inputs = runner.prepare(batch)
+        inputs.sample_rows = torch.tensor([1, 2])
+        logits = runner.logits(inputs, runner.forward(inputs))
     assert logits.dtype == torch.float32 and logits.shape == (2, 257)
     # Values between bfloat16's steps: the float32 sums themselves.
     assert (logits != logits.bfloat16().float()).float().mean() > 0.9

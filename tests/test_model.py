@@ -1,14 +1,17 @@
 """Model families, KV cache and ModelRunner against Hugging Face transformers."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
-from orca_ext.batch import ScheduledRequest, SchedulerOutput
-from orca_ext.executor import KVCache, ModelRunner, kv_bytes_per_block, num_kv_blocks
-from orca_ext.kv import SlotAllocator
+from orca_ext.batch import SchedulerOutput
+from orca_ext.kv import KVCache, SlotAllocator, kv_bytes_per_block, num_kv_blocks
 from orca_ext.model import AttentionMetadata, load_model
+from orca_ext.runner import ModelRunner
 from orca_ext.sampling_params import SamplingParams
+from engine_fakes import ScriptedBatches
 from tiny_models import SPECS, VOCAB, make_hf_model, save_hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -88,41 +91,40 @@ ARRIVALS = [0, 0, 1, 2, 2, 3, 5, 6, 9]  # iteration at which each prompt is admi
 CHUNK = 8  # prompts longer than this are prefilled in two iterations
 
 
-def generate_with_runner(runner: ModelRunner, prompts: list[list[int]], arrivals: list[int],
+def generate_with_runner(runner: ModelRunner, allocator: SlotAllocator,
+                         prompts: list[list[int]], arrivals: list[int],
                          max_new: int) -> list[list[int]]:
     """A scripted stand-in for the scheduler: admit prompts at their iterations, chunk long
     prefills, decode, free finished requests."""
+    batches = ScriptedBatches(allocator)
     outputs: list[list[int]] = [[] for _ in prompts]
     computed = [0] * len(prompts)
     running: list[int] = []
-    finished: list[int] = []
     iteration = 0
     while iteration <= max(arrivals) or running:
         for r, arrival in enumerate(arrivals):
             if arrival == iteration:
-                runner.allocator.allocate(r, len(prompts[r]) + max_new)
+                allocator.allocate(r, len(prompts[r]) + max_new)
                 running.append(r)
-        scheduled = []
+        rows = []
         for r in running:
             prompt = prompts[r]
             if computed[r] < len(prompt):
                 tokens = prompt[computed[r]:][:CHUNK] if computed[r] == 0 else prompt[computed[r]:]
             else:
                 tokens = outputs[r][-1:]
-            scheduled.append(ScheduledRequest(
-                r, tokens, computed[r], GREEDY, prompt, outputs[r],
-                sample=computed[r] + len(tokens) >= len(prompt)))
-        result = runner.execute(SchedulerOutput(iteration, scheduled, finished))
-        finished = []
-        for request in scheduled:
+            rows.append((r, tokens, computed[r], GREEDY, len(prompt),
+                         computed[r] + len(tokens) >= len(prompt)))
+        batch = batches.batch(rows)
+        result = runner.execute(batch)
+        for request in batch.requests:
             computed[request.request_id] += len(request.token_ids)
-        assert result.request_ids == [s.request_id for s in scheduled if s.sample]
+        assert result.request_ids == [s.request_id for s in batch.requests if s.sample]
         for r, token in zip(result.request_ids, result.sampled_token_ids):
             outputs[r].append(token)
             if len(outputs[r]) == max_new:
                 running.remove(r)
-                runner.allocator.free(r)
-                finished.append(r)
+                batches.free(r)
         iteration += 1
     return outputs
 
@@ -136,9 +138,9 @@ def test_greedy_generation_matches_transformers(hf_model, device):
     blocks = num_kv_blocks(loaded.config, block_size, torch.float32,
                            kv_cache_tokens=sum(PROMPT_LENS) + 8 * len(PROMPT_LENS))
     runner = ModelRunner(loaded.model, KVCache(loaded.config, blocks, block_size, torch.float32,
-                                               device),
-                         fragmented_allocator(blocks, block_size))
-    outputs = generate_with_runner(runner, prompts, ARRIVALS, max_new=8)
+                                               device))
+    outputs = generate_with_runner(runner, fragmented_allocator(blocks, block_size), prompts,
+                                   ARRIVALS, max_new=8)
     for prompt, output in zip(prompts, outputs):
         with torch.no_grad():
             expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8,
@@ -148,150 +150,135 @@ def test_greedy_generation_matches_transformers(hf_model, device):
 
 def test_runner_skips_unsampled_and_empty_batches():
     loaded = load_model("orca-tiny")
-    runner = ModelRunner(loaded.model, KVCache(loaded.config, 8, 4, torch.float32),
-                         SlotAllocator(8, 4))
+    runner = ModelRunner(loaded.model, KVCache(loaded.config, 8, 4, torch.float32))
     empty = runner.execute(SchedulerOutput(0, []))
     assert (empty.request_ids, empty.sampled_token_ids, empty.logprobs) == ([], [], [])
     prompt = loaded.tokenizer.encode("hello world")
-    runner.allocator.allocate(5, len(prompt) + 1)
-    runner.allocator.allocate(6, len(prompt) + 1)
+    allocator = SlotAllocator(8, 4)
+    allocator.allocate(5, len(prompt) + 1)
+    allocator.allocate(6, len(prompt) + 1)
     params = SamplingParams(temperature=0.0, logprobs=2)
-    out = runner.execute(SchedulerOutput(1, [
-        ScheduledRequest(5, prompt[:4], 0, params, prompt, [], sample=False),
-        ScheduledRequest(6, prompt, 0, params, prompt, []),
-    ]))
+    out = runner.execute(ScriptedBatches(allocator).batch([
+        (5, prompt[:4], 0, params, len(prompt), False), (6, prompt, 0, params, len(prompt), True)]))
     assert out.request_ids == [6] and len(out.sampled_token_ids) == 1
     assert len(out.logprobs[0].top) == 2
     assert out.logprobs[0].logprob == max(out.logprobs[0].top.values())
 
 
+# SCHEDULE, then decode steps of 4 and 2 requests and a mixed step of 8 tokens: what the
+# DecoderStack runs (up to 8 tokens) and what the model's forward runs.
+STACK_SCHEDULE = [*SCHEDULE, [(0, 1), (1, 1), (2, 1), (3, 1)], [(1, 1), (3, 1)],
+                  [(0, 1), (1, 5), (2, 2)]]
+
+
 @pytest.mark.parametrize("block_size,dtype", [(1, torch.float32), (16, torch.float32),
                                               (16, torch.bfloat16)])
-def test_traced_runner_matches_eager(hf_model, block_size, dtype):
-    """The TorchScript replay (the CPU default) gives the eager forward's results bit for bit,
-    over iterations of different sizes: prefills, a chunk with nothing sampled, decodes."""
+def test_stack_runner_matches_the_models_forward(hf_model, block_size, dtype):
+    """The runner's DecoderStack (the CPU default, up to 8 tokens a step) gives the model's own
+    forward's results bit for bit, over iterations of different sizes: prefills, a chunk with
+    nothing sampled, decodes, a mixed step."""
     _, folder = hf_model
     loaded = load_model(str(folder), dtype=dtype)
     params = SamplingParams(temperature=0.0, logprobs=3)
-    total = {r: sum(n for step in SCHEDULE for q, n in step if q == r) for r in range(4)}
+    total = {r: sum(n for step in STACK_SCHEDULE for q, n in step if q == r) for r in range(4)}
     gen = torch.Generator().manual_seed(block_size)
     tokens = {r: torch.randint(0, VOCAB, (n,), generator=gen).tolist() for r, n in total.items()}
     blocks = sum(-(-n // block_size) for n in total.values())
+    allocator = SlotAllocator(blocks, block_size)
+    for r, n in total.items():
+        allocator.allocate(r, n)
     runners = [ModelRunner(loaded.model, KVCache(loaded.config, blocks, block_size, dtype),
-                           SlotAllocator(blocks, block_size), trace=trace)
-               for trace in (False, True)]
-    assert runners[0].traced is None and runners[1].traced is not None
-    for runner in runners:
-        for r, n in total.items():
-            runner.allocator.allocate(r, n)
+                           decoder_stack=stack) for stack in (False, True)]
+    assert runners[0].stack is None and runners[1].stack is not None
+    scripts = [ScriptedBatches(allocator) for _ in runners]
     done = dict.fromkeys(total, 0)
-    for iteration, step in enumerate(SCHEDULE):
-        scheduled = []
+    for step in STACK_SCHEDULE:
+        rows = []
         for r, n in step:
-            scheduled.append(ScheduledRequest(r, tokens[r][done[r]:done[r] + n], done[r], params,
-                                              tokens[r], [], sample=(r, n) != (1, 3)))
+            rows.append((r, tokens[r][done[r]:done[r] + n], done[r], params, 16,
+                         (r, n) != (1, 3)))
             done[r] += n
-        eager, traced = (runner.execute(SchedulerOutput(iteration, scheduled))
-                         for runner in runners)
-        assert traced.request_ids == eager.request_ids
-        assert traced.sampled_token_ids == eager.sampled_token_ids
-        assert traced.logprobs == eager.logprobs
+        eager, stacked = (runner.execute(script.batch(rows))
+                          for runner, script in zip(runners, scripts))
+        assert stacked.request_ids == eager.request_ids
+        assert stacked.sampled_token_ids == eager.sampled_token_ids
+        assert stacked.logprobs == eager.logprobs
 
 
-def test_traced_runner_sees_in_place_weight_updates(hf_model):
-    """The trace holds the live parameter tensors (not copies): a weight changed in place after
-    tracing changes the traced results exactly as the eager ones."""
+def test_stack_sees_in_place_weight_updates(hf_model):
+    """The stack holds the live parameter tensors (not copies): a weight changed in place after
+    it was built changes its results exactly as the model's forward's."""
     _, folder = hf_model
     loaded = load_model(str(folder))
     params = SamplingParams(temperature=0.0, logprobs=3)
-    prompt = list(range(1, 12))
+    prompt = list(range(1, 8))  # one step of 7 tokens: the stack runs it
     runners = [ModelRunner(loaded.model, KVCache(loaded.config, 4, 4, torch.float32),
-                           SlotAllocator(4, 4), trace=trace) for trace in (False, True)]
+                           decoder_stack=stack) for stack in (False, True)]
+    allocator = SlotAllocator(4, 4)
 
     def prefill() -> list:
         outputs = []
         for runner in runners:
-            runner.allocator.allocate(0, len(prompt))
-            out = runner.execute(SchedulerOutput(0, [ScheduledRequest(0, prompt, 0, params,
-                                                                      prompt, [])]))
-            runner.allocator.free(0)
+            allocator.allocate(0, len(prompt))
+            batches = ScriptedBatches(allocator)
+            out = runner.execute(batches.batch([(0, prompt, 0, params, len(prompt), True)]))
+            batches.free(0)
+            runner.execute(batches.batch([]))
             outputs.append((out.sampled_token_ids, out.logprobs))
         return outputs
 
-    eager_before, traced_before = prefill()
-    assert traced_before == eager_before
+    eager_before, stacked_before = prefill()
+    assert stacked_before == eager_before
     with torch.no_grad():
         for p in loaded.model.layers[0].parameters():
             p.mul_(-1.5)
-    eager_after, traced_after = prefill()
+    eager_after, stacked_after = prefill()
     assert eager_after != eager_before
-    assert traced_after == eager_after
+    assert stacked_after == eager_after
 
 
-@pytest.mark.parametrize("caller_flag", [True, False])
-def test_traced_iteration_runs_unoptimized_in_inference_mode(caller_flag):
-    """The trace runs in inference mode with the graph executor's optimizations off (no
-    profiling runs or passes specialized on one batch's sizes), and the caller's settings are
-    back afterwards, also when the graph raises."""
+def test_execute_runs_in_inference_mode_and_restores_the_callers_mode():
     loaded = load_model("orca-tiny")
-    runner = ModelRunner(loaded.model, KVCache(loaded.config, 8, 4, torch.float32),
-                         SlotAllocator(8, 4))
-    traced_graph, seen = runner.traced.graph, []
-
-    def spy(*args):
-        seen.append((torch._C._get_graph_executor_optimize(), torch.is_inference_mode_enabled()))
-        if len(seen) == 2:
-            raise RuntimeError("graph failed")
-        return traced_graph(*args)
-
-    runner.traced.graph = spy
-    runner.allocator.allocate(0, 6)
-    step = SchedulerOutput(0, [ScheduledRequest(0, [1, 2, 3], 0, GREEDY, [1, 2, 3], [])])
-    saved = torch._C._get_graph_executor_optimize()
-    torch._C._set_graph_executor_optimize(caller_flag)
-    try:
-        assert len(runner.execute(step).sampled_token_ids) == 1
-        assert torch._C._get_graph_executor_optimize() is caller_flag
-        assert not torch.is_inference_mode_enabled()
-        with pytest.raises(RuntimeError, match="graph failed"):
-            runner.execute(step)
-        assert torch._C._get_graph_executor_optimize() is caller_flag
-        assert not torch.is_inference_mode_enabled()
-    finally:
-        torch._C._set_graph_executor_optimize(saved)
-    assert seen == [(False, True), (False, True)]
+    runner = ModelRunner(loaded.model, KVCache(loaded.config, 8, 4, torch.float32))
+    allocator = SlotAllocator(8, 4)
+    allocator.allocate(0, 6)
+    seen = []
+    forward = runner.forward
+    runner.forward = lambda inputs: seen.append(torch.is_inference_mode_enabled()) or forward(
+        inputs)
+    out = runner.execute(ScriptedBatches(allocator).batch([(0, [1, 2, 3], 0, GREEDY, 3, True)]))
+    assert len(out.sampled_token_ids) == 1 and seen == [True]
+    assert not torch.is_inference_mode_enabled()
 
 
-def test_runner_runs_eagerly_when_tracing_fails(caplog):
-    class Untraceable(torch.nn.Module):
+def test_runner_logs_how_steps_run(caplog):
+    """One decision per runner, logged: the stack for a plain model, the model's own forward
+    for anything else (with the reason)."""
+
+    class Wrapped(torch.nn.Module):
         def __init__(self, model: torch.nn.Module) -> None:
             super().__init__()
             self.model = model
 
         def forward(self, *args):
-            if torch.jit.is_tracing():
-                raise RuntimeError("not traceable")
             return self.model(*args)
 
         def compute_logits(self, hidden, indices):
             return self.model.compute_logits(hidden, indices)
 
     loaded = load_model("orca-tiny")
-    runner = ModelRunner(Untraceable(loaded.model), KVCache(loaded.config, 8, 4, torch.float32),
-                         SlotAllocator(8, 4))
-    assert runner.traced is None
-    assert "running Untraceable eagerly: tracing its forward failed (not traceable)" in caplog.text
-    runner.allocator.allocate(0, 6)
-    out = runner.execute(SchedulerOutput(0, [ScheduledRequest(0, [1, 2, 3], 0, GREEDY,
-                                                              [1, 2, 3], [])]))
+    cache = KVCache(loaded.config, 8, 4, torch.float32)
+    with caplog.at_level(logging.INFO, logger="orca_ext.runner"):
+        ModelRunner(loaded.model, cache)
+        runner = ModelRunner(Wrapped(loaded.model), cache)
+    assert runner.stack is None
+    assert "steps of up to 8 tokens run GPT2's 8 blocks as one DecoderStack" in caplog.text
+    assert ("every step runs Wrapped's own forward (no DecoderStack: Wrapped is not a GPT-2 or "
+            "Llama model" in caplog.text)
+    allocator = SlotAllocator(8, 4)
+    allocator.allocate(0, 6)
+    out = runner.execute(ScriptedBatches(allocator).batch([(0, [1, 2, 3], 0, GREEDY, 3, True)]))
     assert out.request_ids == [0] and len(out.sampled_token_ids) == 1
-
-
-def test_runner_rejects_mismatched_allocator():
-    loaded = load_model("orca-tiny")
-    with pytest.raises(ValueError, match="allocator"):
-        ModelRunner(loaded.model, KVCache(loaded.config, 8, 4, torch.float32),
-                    SlotAllocator(8, 16))
 
 
 def test_kv_cache_layout_and_budget():

@@ -7,16 +7,17 @@ import pytest
 import torch
 
 from orca_ext import _C
-from orca_ext.batch import ScheduledRequest
+from orca_ext.runner.inputs import RequestState
 from orca_ext.sampling import Sampler, apply_penalties, filter_logits
 from orca_ext.sampling_params import SamplingParams
 
 
 def request(request_id: int, prompt: list[int] | None = None, output: list[int] | None = None,
-            **params) -> ScheduledRequest:
+            **params) -> RequestState:
+    """A runner's state of a request about to be sampled."""
     prompt = prompt or [0]
-    return ScheduledRequest(request_id, prompt[-1:], len(prompt) - 1, SamplingParams(**params),
-                            prompt, output or [])
+    return RequestState(request_id, len(prompt), SamplingParams(**params), [0],
+                        prompt + (output or []))
 
 
 def frequencies(tokens: list[int], vocab: int) -> torch.Tensor:

@@ -70,7 +70,8 @@ class Harness:
             assert out.num_tokens <= self.config.max_num_batched_tokens
         if self.config.policy == "orca":  # a prompt runs whole, in its first iteration
             for r in out.requests:
-                assert r.num_computed > 0 or r.token_ids == r.prompt_token_ids
+                request = self.scheduler.requests[r.request_id]
+                assert r.num_computed > 0 or r.token_ids == request.prompt_token_ids
         for r in out.requests:
             self.iterations[r.request_id] += 1
 

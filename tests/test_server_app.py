@@ -11,7 +11,7 @@ grpc = pytest.importorskip("grpc")
 pytest.importorskip("fastapi")
 
 from orca_ext.async_engine import AsyncEngine  # noqa: E402
-from orca_ext.llm import build_engine  # noqa: E402
+from orca_ext import EngineConfig, build_engine  # noqa: E402
 from orca_ext.server import ServingCore, create_app, start_grpc_server  # noqa: E402
 from orca_ext.server import orca_pb2, orca_pb2_grpc  # noqa: E402
 from orca_ext.server.__main__ import main, parse_size  # noqa: E402
@@ -21,8 +21,8 @@ from orca_ext.server.protocol import APIError  # noqa: E402
 
 @pytest.fixture(scope="module")
 def engine():
-    engine = AsyncEngine(build_engine("orca-tiny", device="cpu", max_batch_size=4,
-                                      kv_cache_tokens=1024))
+    engine = AsyncEngine(build_engine(EngineConfig("orca-tiny", device="cpu", max_batch_size=4,
+                                                   kv_cache_tokens=1024)))
     yield engine
     engine.shutdown()
 
@@ -94,8 +94,8 @@ def test_grpc_and_http_share_one_loop_and_core(engine):
 
 
 def test_dead_engine_is_503():
-    dead = AsyncEngine(build_engine("orca-tiny", device="cpu", max_batch_size=1,
-                                    kv_cache_tokens=64))
+    dead = AsyncEngine(build_engine(EngineConfig("orca-tiny", device="cpu", max_batch_size=1,
+                                                 kv_cache_tokens=64)))
     dead.shutdown()
     app = create_app(dead)
 

@@ -4,6 +4,7 @@
 
 #include <vector>
 
+#include "kv/metadata.h"
 #include "kv/slot_allocator.h"
 
 using orca::kv::SlotAllocator;
@@ -23,20 +24,22 @@ static void BM_AllocateFree(benchmark::State& state) {
 BENCHMARK(BM_AllocateFree)->Arg(16)->Arg(640)->Arg(2048);
 
 static void BM_BuildMetadata(benchmark::State& state) {
-  const int64_t batch = state.range(0), context = 512;
-  SlotAllocator alloc(batch * context / 16 + 16, 16);
-  std::vector<int64_t> ids(batch), computed(batch, context - 1), fresh(batch, 1);
+  const int64_t batch = state.range(0), context = 512, block_size = 16;
+  SlotAllocator alloc(batch * context / block_size + 16, block_size);
+  std::vector<std::vector<int32_t>> block_ids(batch);
+  std::vector<int64_t> computed(batch, context - 1), fresh(batch, 1);
   for (int64_t r = 0; r < batch; ++r) {
-    ids[r] = r;
     alloc.allocate(r, context);
+    block_ids[r] = alloc.blocks(r);
   }
-  const auto shape = alloc.metadata_shape(ids.data(), computed.data(), fresh.data(), batch);
+  const auto shape = orca::kv::metadata_shape(block_ids, computed.data(), fresh.data(),
+                                              block_size);
   std::vector<int32_t> cu(batch + 1), ctx(batch), table(batch * shape.max_blocks);
   std::vector<int64_t> slots(shape.num_tokens), positions(shape.num_tokens);
   for (auto _ : state) {
-    const auto s = alloc.metadata_shape(ids.data(), computed.data(), fresh.data(), batch);
-    alloc.fill_metadata(ids.data(), computed.data(), fresh.data(), s, cu.data(), ctx.data(),
-                        table.data(), slots.data(), positions.data());
+    const auto s = orca::kv::metadata_shape(block_ids, computed.data(), fresh.data(), block_size);
+    orca::kv::fill_metadata(block_ids, computed.data(), fresh.data(), block_size, s, cu.data(),
+                            ctx.data(), table.data(), slots.data(), positions.data());
     benchmark::DoNotOptimize(slots.data());
   }
   state.SetLabel(std::to_string(batch) + " decode requests, context 512");

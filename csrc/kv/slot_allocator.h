@@ -21,13 +21,6 @@ struct UnknownRequestError : std::out_of_range {
   using std::out_of_range::out_of_range;
 };
 
-// Shapes of one iteration's metadata; the caller allocates buffers of these sizes.
-struct MetadataShape {
-  int64_t batch = 0;
-  int64_t num_tokens = 0;
-  int64_t max_blocks = 1;
-};
-
 class SlotAllocator {
  public:
   SlotAllocator(int64_t num_blocks, int64_t block_size);
@@ -47,17 +40,6 @@ class SlotAllocator {
   int64_t num_free_blocks() const { return static_cast<int64_t>(free_list_.size()); }
   int64_t num_used_blocks() const { return num_blocks_ - num_free_blocks(); }
   int64_t num_requests() const { return static_cast<int64_t>(blocks_.size()); }
-
-  // Validates one iteration's (request, num_computed, num_new) rows and returns the buffer
-  // sizes fill_metadata needs.
-  MetadataShape metadata_shape(const int64_t* request_ids, const int64_t* num_computed,
-                               const int64_t* num_new, int64_t batch) const;
-  // Writes cu_q_lens[B+1], context_lens[B], block_table[B, max_blocks] (unused entries 0),
-  // slot_mapping[T] and positions[T] for rows already checked by metadata_shape.
-  void fill_metadata(const int64_t* request_ids, const int64_t* num_computed,
-                     const int64_t* num_new, const MetadataShape& shape, int32_t* cu_q_lens,
-                     int32_t* context_lens, int32_t* block_table, int64_t* slot_mapping,
-                     int64_t* positions) const;
 
  private:
   std::vector<int32_t>& owned(int64_t request_id);

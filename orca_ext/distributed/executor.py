@@ -1,9 +1,9 @@
-"""The driver side: ``DistributedExecutor`` (submit/collect with ``pp`` batches in flight) and
-``build_distributed_engine``.
+"""The driver side: ``DistributedExecutor`` (submit/collect with ``pp`` batches in flight).
 
-The driver is world rank 0. It holds no weights: it keeps the scheduler's ``SlotAllocator``,
-builds each iteration's metadata once, and sends the batch's control message to stage 0 (an
-asynchronous send, so ``submit`` returns at once). A receiver thread takes the last stage's
+The driver is world rank 0. It holds no weights: it keeps the scheduler (and its ``SlotAllocator``)
+and sends each batch's ``SchedulerOutput`` (new requests once, then deltas) to stage 0 as the
+control message (an asynchronous send, so ``submit`` returns at once); every worker builds the
+iteration's tensors from it as the in-process runner does. A receiver thread takes the last stage's
 replies in order; ``collect`` waits for the next one. A worker that dies (seen by the process
 monitor, or as a closed connection) fails the executor at once: the other workers are killed, and
 ``submit``/``collect`` raise ``WorkerError``.
@@ -11,7 +11,6 @@ monitor, or as a closed connection) fails the executor at once: the other worker
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import queue
 import re
 import threading
@@ -20,20 +19,14 @@ import weakref
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from ..batch import RunnerOutput, SchedulerOutput, packed_rows
-from ..engine import Engine
-from ..executor.kv_cache import plan_kv_blocks
-from ..kv import SlotAllocator
+from ..batch import RunnerOutput, SchedulerOutput
 from ..model.config import ModelConfig
-from ..model.loader import load_model_info, resolve_dtype
-from ..scheduler import SchedulerConfig, make_scheduler
 from .comm import Channel, build_groups
 from .config import Layout, ParallelConfig
 from .launcher import WorkerProcesses
-from .messages import STOP, StepMessage, WorkerSpec
+from .messages import STOP, WorkerSpec
 
 
 class WorkerError(RuntimeError):
@@ -54,12 +47,12 @@ def _shutdown_all() -> None:
 class DistributedExecutor:
     """Runs batches on ``tp x pp`` worker processes; ``num_batches_in_flight`` is ``pp``."""
 
-    def __init__(self, parallel: ParallelConfig, spec: WorkerSpec, allocator: SlotAllocator,
+    def __init__(self, parallel: ParallelConfig, spec: WorkerSpec,
                  config: ModelConfig | None = None) -> None:
         if dist.is_initialized():
             raise RuntimeError("this process already runs a distributed engine (or another "
                                "torch.distributed job); shut it down first")
-        self.parallel, self.spec, self.allocator, self.config = parallel, spec, allocator, config
+        self.parallel, self.spec, self.config = parallel, spec, config
         self.layout = Layout(spec.tp, spec.pp)
         self.num_batches_in_flight = spec.pp
         self.max_batches_in_flight = 0  # the most seen at once (the pipelining test reads it)
@@ -213,16 +206,8 @@ class DistributedExecutor:
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         self._check()
-        requests = scheduler_output.requests
-        token_ids, num_rows, sample_rows = packed_rows(requests)
-        cu_q_lens, context_lens, block_table, slot_mapping, positions = (
-            self.allocator.build_metadata([r.request_id for r in requests],
-                                          [r.num_computed for r in requests], num_rows))
-        input_ids = torch.tensor(token_ids, dtype=torch.int64)
-        msg = StepMessage(scheduler_output, input_ids, positions, cu_q_lens, context_lens,
-                          block_table, slot_mapping, torch.tensor(sample_rows, dtype=torch.int64))
         try:
-            self._to_first.send(msg)
+            self._to_first.send(scheduler_output)
         except Exception as exc:  # noqa: BLE001
             self._lost(f"could not reach pipeline stage 0 ({_short(exc)})")
             raise self._failure from exc
@@ -250,47 +235,3 @@ def _short(exc: BaseException) -> str:
     """gloo's message without its source location and advice."""
     text = re.sub(r"^\[[^\]]*\] ", "", str(exc))
     return text.split(". ")[0]
-
-
-def build_distributed_engine(model: str, parallel: ParallelConfig, *,
-                             dtype: torch.dtype | str = "auto", device: str | None = None,
-                             max_batch_size: int = 32, kv_cache_tokens: int | None = None,
-                             kv_cache_memory: int | None = None, block_size: int = 16,
-                             policy: str = "orca",
-                             max_num_batched_tokens: int | None = None) -> Engine:
-    """An Engine whose executor runs ``model`` on ``parallel``'s workers (this process is the
-    driver: node 0). ``kv_cache_memory`` is per worker. The engine's ``shutdown`` stops them."""
-    if not isinstance(model, str):
-        raise ValueError("model: distributed workers load the weights themselves; pass a "
-                         "built-in name or a model folder, not a loaded model")
-    if parallel.node_rank != 0:
-        raise ValueError("only node 0 runs the engine; other nodes run run_node()")
-    info = load_model_info(model)
-    config = info.config
-    parallel.check_model(config)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = resolve_dtype(dtype, device)
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device: distributed workers take 'cpu' or 'cuda' (each worker uses "
-                         f"the GPU of its index on its node), got {device!r}")
-    stages = parallel.stage_layers(config.num_layers)
-    tp = parallel.tensor_parallel_size
-    worker_config = dataclasses.replace(config, num_layers=max(len(s) for s in stages),
-                                        num_heads=config.num_heads // tp,
-                                        num_kv_heads=config.num_kv_heads // tp)
-    # On a CPU, this node's workers hold their caches in this machine's memory.
-    local_caches = parallel.num_workers // parallel.nnodes if device == "cpu" else 1
-    num_blocks, _ = plan_kv_blocks(worker_config, block_size, dtype, device, max_batch_size,
-                                   info.max_model_len, kv_cache_tokens, kv_cache_memory,
-                                   local_caches)
-    scheduler_config = SchedulerConfig(policy, max_batch_size, parallel.pipeline_parallel_size,
-                                       max_num_batched_tokens)
-    allocator = SlotAllocator(num_blocks, block_size)
-    spec = WorkerSpec(model, str(dtype).removeprefix("torch."), device, tp,
-                      parallel.pipeline_parallel_size, [(s.start, s.stop) for s in stages],
-                      num_blocks, block_size)
-    executor = DistributedExecutor(parallel, spec, allocator, config)
-    return Engine(executor, make_scheduler(scheduler_config, allocator),
-                  max_model_len=info.max_model_len, tokenizer=info.tokenizer,
-                  eos_token_ids=info.eos_token_ids, vocab_size=config.vocab_size,
-                  chat_template=info.chat_template, bos_token_id=config.bos_token_id)

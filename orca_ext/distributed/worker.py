@@ -5,7 +5,8 @@
 
 It joins the driver's rendezvous (a TCPStore on the master address, as torchrun does), receives
 its ``WorkerSpec`` from the driver, builds its shard, reports, and then runs one batch per control
-message until it gets ``STOP``. A stage leader (TP rank 0) receives each message from the previous
+message (a ``SchedulerOutput``, through the same ``ModelRunner`` steps as the in-process engine)
+until it gets ``STOP``. A stage leader (TP rank 0) receives each message from the previous
 hop, forwards it to the next stage at once (before computing), and broadcasts it to its TP peers.
 A failure is written to the store (``orca/error/<rank>``) for the driver, and the process exits
 non-zero; its peers then fail on their closed connections, so no worker lingers.
@@ -26,14 +27,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..batch import RunnerOutput
-from ..executor.kv_cache import KVCache
-from ..model.layers import AttentionMetadata
+from ..batch import RunnerOutput, SchedulerOutput
+from ..kv import KVCache
 from ..model.loader import load_model_info, resolve_dtype
-from ..sampling import Sampler
+from ..runner import ModelRunner
 from .comm import Channel, Groups, build_groups
 from .config import Layout
-from .messages import STOP, StepMessage, WorkerSpec
+from .messages import STOP, WorkerSpec
 from .pipeline import cut_stage, stage_keeps
 from .sharded_load import build_meta_model, load_shards
 from .tensor_parallel import TPGroup, parallelize
@@ -64,8 +64,9 @@ class Worker:
         local = dataclasses.replace(config, num_layers=len(layers),
                                     num_heads=config.num_heads // spec.tp,
                                     num_kv_heads=config.num_kv_heads // spec.tp)
-        self.kv_cache = KVCache(local, spec.num_blocks, spec.block_size, dtype, device)
-        self.sampler = Sampler() if self.last and self.leader else None
+        kv_cache = KVCache(local, spec.num_blocks, spec.block_size, dtype, device)
+        # The in-process runner's input preparation and forward path, on this stage's layers.
+        self.runner = ModelRunner(self.model, kv_cache, cuda_graphs=False)
         if self.leader:
             prev_hop = layout.DRIVER if self.first else layout.leader(self.stage - 1)
             next_hop = layout.DRIVER if self.last else layout.leader(self.stage + 1)
@@ -79,11 +80,12 @@ class Worker:
         self._sends: deque[tuple[Any, torch.Tensor]] = deque()  # hidden states in flight
 
     def run(self) -> None:
-        while True:
-            msg = self._next_message()
-            if isinstance(msg, str):  # STOP
-                break
-            self._step(msg)
+        with torch.inference_mode():
+            while True:
+                msg = self._next_message()
+                if isinstance(msg, str):  # STOP
+                    break
+                self._step(msg)
         for work, _ in self._sends:
             work.wait()
         if self.leader:
@@ -92,7 +94,7 @@ class Worker:
             for channel in [self.ctrl_out, *self.peers]:
                 channel.flush()
 
-    def _next_message(self) -> StepMessage | str:
+    def _next_message(self) -> SchedulerOutput | str:
         if not self.leader:
             return self.from_leader.recv()
         msg = self.ctrl_in.recv()
@@ -102,41 +104,33 @@ class Worker:
             peer.send(msg)
         return msg
 
-    @torch.inference_mode()
-    def _step(self, msg: StepMessage) -> None:
-        batch = msg.batch
-        sampled = [r for r in batch.requests if r.sample]
-        output = RunnerOutput(batch.batch_id, [r.request_id for r in sampled], [], [])
-        if self.sampler is not None:
-            self.sampler.drop(batch.finished_request_ids)
+    def _step(self, batch: SchedulerOutput) -> None:
+        runner = self.runner
+        runner.sampler.drop(batch.finished_request_ids)
+        inputs = runner.prepare(batch)
+        output = RunnerOutput(batch.batch_id, [s.request_id for s in inputs.sampled], [], [])
         if not batch.requests:
             if self.last and self.leader:
                 self.ctrl_out.send(output)
             return
-        device = self.device
-        input_ids, positions, cu_q_lens, context_lens, block_table, slot_mapping = (
-            t.to(device, non_blocking=True) for t in (
-                msg.input_ids, msg.positions, msg.cu_q_lens, msg.context_lens, msg.block_table,
-                msg.slot_mapping))
-        meta = AttentionMetadata(cu_q_lens, context_lens, block_table, slot_mapping)
+        inputs = runner.to_device(inputs)
         if not self.first:
-            hidden = torch.empty(len(msg.input_ids), self.hidden_size, dtype=self.dtype,
-                                 device=device)
+            hidden = torch.empty(inputs.num_tokens, self.hidden_size, dtype=self.dtype,
+                                 device=self.device)
             dist.recv(hidden, self.layout.rank(self.stage - 1, self.tp_rank),
                       group=self.groups.prev)
             self.received.hidden = hidden
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        hidden = runner.forward(inputs)
         if not self.last:
             while self._sends and self._sends[0][0].is_completed():
                 self._sends.popleft()
             dst = self.layout.rank(self.stage + 1, self.tp_rank)
             self._sends.append((dist.isend(hidden, dst, group=self.groups.next), hidden))
             return
-        if sampled:
-            logits = self.model.compute_logits(hidden, msg.sample_rows.to(device))
-            if self.sampler is not None:
-                result = self.sampler(logits, sampled)
-                output.sampled_token_ids, output.logprobs = result.token_ids, result.logprobs
+        if inputs.sampled:
+            logits = runner.logits(inputs, hidden)  # every TP rank: the vocab slices gather
+            if self.leader:
+                runner.sample(inputs, logits, output)
         if self.leader:
             self.ctrl_out.send(output)
 

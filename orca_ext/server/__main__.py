@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import re
@@ -172,15 +171,6 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _with_context(loaded: Any, max_model_len: int) -> Any:
-    """``loaded`` with its context capped at ``max_model_len`` (the engine, its default KV size
-    and the server take it from there); ValueError when that exceeds the model's."""
-    if max_model_len > loaded.max_model_len:
-        raise ValueError(f"--max-model-len {max_model_len} is longer than the model's context "
-                         f"({loaded.max_model_len} tokens)")
-    return dataclasses.replace(loaded, max_model_len=max_model_len)
-
-
 def _token(tokenizer: Any, token_id: int | None) -> str | None:
     inner = getattr(tokenizer, "inner", None)
     if token_id is None or inner is None:
@@ -189,7 +179,7 @@ def _token(tokenizer: Any, token_id: int | None) -> str | None:
 
 
 def _summary(loaded: Any, engine: Any) -> list[str]:
-    from ..executor.kv_cache import kv_bytes_per_block
+    from ..kv import kv_bytes_per_block
 
     config = loaded.config
     describe = getattr(engine.executor, "describe", None)
@@ -309,28 +299,26 @@ def build_core(args: argparse.Namespace, parallel: Any) -> tuple[Any, list[str]]
     import torch
 
     from ..async_engine import AsyncEngine
-    from ..llm import build_engine
+    from ..build import build_engine, with_context
+    from ..config import EngineConfig
     from ..model import load_model, load_model_info
     from .core import ServingCore
 
     if args.seed is not None and parallel.enabled:
         raise ValueError("--seed does not reach distributed workers (they sample); give each "
                          "request a seed instead")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    config = EngineConfig(args.model, dtype=args.dtype, device=args.device,
+                          max_model_len=args.max_model_len, max_batch_size=args.max_batch_size,
+                          policy=args.policy, max_num_batched_tokens=args.max_num_batched_tokens,
+                          block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
+                          kv_cache_memory=args.kv_cache_memory,
+                          parallel_config=parallel if parallel.enabled else None)
     if parallel.enabled:  # the workers load the weights; this process only the tokenizer
         loaded = load_model_info(args.model)
     else:
-        loaded = load_model(args.model, args.dtype, device)
-    if args.max_model_len is not None:
-        loaded = _with_context(loaded, args.max_model_len)
-    engine = build_engine(args.model if parallel.enabled else loaded, dtype=args.dtype,
-                          device=device, max_batch_size=args.max_batch_size,
-                          kv_cache_tokens=args.kv_cache_tokens,
-                          kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-                          policy=args.policy, max_num_batched_tokens=args.max_num_batched_tokens,
-                          parallel_config=parallel if parallel.enabled else None)
-    if parallel.enabled:  # the workers loaded the model itself, with its whole context
-        engine.max_model_len = loaded.max_model_len
+        loaded = load_model(args.model, config.dtype, config.device)
+    loaded = with_context(loaded, config.max_model_len)
+    engine = build_engine(config if parallel.enabled else config.replace(model=loaded))
     if args.seed is not None:  # after the build, so that the first request starts from it
         torch.manual_seed(args.seed)
     eos = loaded.eos_token_ids[0] if loaded.eos_token_ids else None

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from ..async_engine import AsyncEngine, EngineDeadError
+from ..engine import PromptError
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .chat import ChatTemplate, ChatTemplateError
@@ -77,24 +78,12 @@ class ServingCore:
 
     def tokenize(self, prompt: str | list[int], param: str = "prompt",
                  add_special_tokens: bool = True) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise APIError.bad_request("text prompts need a tokenizer; send token ids", param)
-            if not prompt:
-                raise APIError.bad_request(f"{param} must not be empty", param)
-            try:
-                ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-            except TypeError:
-                ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-        if not ids:
-            raise APIError.bad_request(f"{param} must not be empty", param)
-        if len(ids) > self.max_model_len:
-            raise APIError.bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens, but the "
-                f"{param} has {len(ids)} tokens", param, "context_length_exceeded")
-        return ids
+        """The engine's prompt validator, its errors as 400s naming ``param``."""
+        try:
+            return self.engine.engine.tokenize(prompt, add_special_tokens=add_special_tokens,
+                                               param=param)[1]
+        except PromptError as exc:
+            raise APIError.bad_request(str(exc), exc.param, exc.code) from None
 
     async def tokenize_async(self, prompt: str | list[int], param: str = "prompt",
                              add_special_tokens: bool = True) -> list[int]:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..model.layers import AttentionMetadata
-from .kv_cache import KVCache
+from ..kv import KVCache
 
 # (input_ids, positions, meta, sample_rows) -> float32 logits [len(sample_rows), vocab]
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor]

@@ -116,7 +116,7 @@ def _gib(nbytes: int) -> str:
 class KVCache:
     """``len(cache)`` layers; ``cache[i]`` is layer i's ``(k_cache, v_cache)``, each
     ``[num_blocks, block_size, num_kv_heads, head_dim]`` (views of one zeroed allocation, on
-    huge pages on CPU)."""
+    huge pages on CPU); ``keys`` / ``values`` list every layer's k / v cache."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
@@ -132,6 +132,8 @@ class KVCache:
         else:
             self.storage = torch.zeros(shape, dtype=dtype, device=device)
         self.layers = [(layer[0], layer[1]) for layer in self.storage]
+        self.keys = [k for k, _ in self.layers]
+        self.values = [v for _, v in self.layers]
 
     @property
     def dtype(self) -> torch.dtype:

@@ -1,0 +1,61 @@
+// torch.classes.orca.DecoderStack: a model's pre-norm decoder blocks (GPT-2 and Llama shaped),
+// prepared once on the CPU and run as one call per decode step. add_layer checks each layer's
+// weights and keeps them contiguous; forward checks only what changes per step (the hidden
+// states, the caches and the metadata) and runs the whole stack in one parallel region.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "checks.h"
+
+namespace orca {
+
+class DecoderStack : public torch::CustomClassHolder {
+ public:
+  // One block's tensors, contiguous; the biases and the norms' biases optional.
+  struct Layer {
+    at::Tensor attn_norm, qkv, out, mlp_norm, up, down;
+    std::optional<at::Tensor> attn_norm_bias, qkv_bias, out_bias, mlp_norm_bias, up_bias,
+        down_bias;
+    double scale;
+  };
+
+  DecoderStack(std::string norm, double norm_eps, std::string activation, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim);
+
+  // Appends a block: x = out(attention(qkv(norm(x)))) + x; x = down(act(up(norm(x)))) + x.
+  void add_layer(const at::Tensor& attn_norm_weight,
+                 const std::optional<at::Tensor>& attn_norm_bias, const at::Tensor& qkv_weight,
+                 const std::optional<at::Tensor>& qkv_bias, const at::Tensor& out_weight,
+                 const std::optional<at::Tensor>& out_bias, const at::Tensor& mlp_norm_weight,
+                 const std::optional<at::Tensor>& mlp_norm_bias, const at::Tensor& up_weight,
+                 const std::optional<at::Tensor>& up_bias, const at::Tensor& down_weight,
+                 const std::optional<at::Tensor>& down_bias, double scale);
+
+  // The stack on packed hidden states x [T, hidden] (T <= max_tokens()); stores each layer's
+  // new K/V in k_caches[l] / v_caches[l] and returns the new hidden states.
+  at::Tensor forward(const at::Tensor& x, const std::vector<at::Tensor>& k_caches,
+                     const std::vector<at::Tensor>& v_caches, const at::Tensor& cu_q_lens,
+                     const at::Tensor& context_lens, const at::Tensor& block_table,
+                     const at::Tensor& slot_mapping, const std::optional<at::Tensor>& rotary_cos,
+                     const std::optional<at::Tensor>& rotary_sin) const;
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  int64_t max_tokens() const;
+
+ private:
+  NormKind norm_;
+  double norm_eps_;
+  Activation act_;
+  std::string activation_name_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  int64_t hidden_ = 0, inter_ = 0;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace orca

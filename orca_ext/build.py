@@ -1,0 +1,56 @@
+"""``build_engine``: an ``EngineConfig`` wired into an Engine (request -> scheduler -> runner ->
+model -> ops), in this process or on distributed workers."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from .config import EngineConfig
+from .engine import Engine
+from .scheduler import make_scheduler
+
+_log = logging.getLogger(__name__)
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    """Load the model and build allocator, KV cache, runner and scheduler into an Engine; with a
+    distributed config, start the workers (``Engine.shutdown`` stops them)."""
+    # Imported here so that ``import orca_ext`` stays light.
+    from .kv import KVCache, SlotAllocator, kv_bytes_per_block, plan_kv_blocks
+    from .model import load_model
+    from .runner import ModelRunner
+
+    if config.distributed:
+        from .distributed import build_distributed_engine
+
+        return build_distributed_engine(config)
+    if isinstance(config.model, str):
+        loaded = load_model(config.model, config.dtype, config.device)
+    else:
+        loaded = config.model
+    loaded = with_context(loaded, config.max_model_len)
+    num_blocks, why = plan_kv_blocks(loaded.config, config.block_size, loaded.dtype,
+                                     loaded.device, config.max_batch_size, loaded.max_model_len,
+                                     config.kv_cache_tokens, config.kv_cache_memory)
+    _log.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB: %s", num_blocks,
+              config.block_size, num_blocks * config.block_size,
+              num_blocks * kv_bytes_per_block(loaded.config, config.block_size, loaded.dtype)
+              / 2**30, why)
+    allocator = SlotAllocator(num_blocks, config.block_size)
+    kv_cache = KVCache(loaded.config, num_blocks, config.block_size, loaded.dtype, loaded.device)
+    runner = ModelRunner(loaded.model, kv_cache)
+    return Engine(runner, make_scheduler(config.scheduler_config(), allocator),
+                  max_model_len=loaded.max_model_len, tokenizer=loaded.tokenizer,
+                  eos_token_ids=loaded.eos_token_ids, vocab_size=loaded.config.vocab_size,
+                  chat_template=loaded.chat_template, bos_token_id=loaded.config.bos_token_id)
+
+
+def with_context(loaded, max_model_len: int | None):
+    """``loaded`` (a LoadedModel or ModelInfo) with its context capped at ``max_model_len``;
+    ValueError when that exceeds the model's."""
+    if max_model_len is None:
+        return loaded
+    if max_model_len > loaded.max_model_len:
+        raise ValueError(f"max_model_len {max_model_len} is longer than the model's context "
+                         f"({loaded.max_model_len} tokens)")
+    return dataclasses.replace(loaded, max_model_len=max_model_len)

@@ -1,0 +1,103 @@
+"""``EngineConfig``: everything that shapes an engine, validated once, in one place.
+
+``LLM``, ``AsyncEngine.from_config``, ``orca-serve``, the distributed launcher and the benchmarks
+all build one and pass it to ``build_engine`` (vLLM's ``EngineArgs`` in one dataclass).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .model.builtin import DEFAULT_MODEL
+from .model.loader import resolve_dtype
+from .scheduler import SchedulerConfig
+
+if TYPE_CHECKING:
+    from .distributed import ParallelConfig
+    from .model import LoadedModel
+
+
+@dataclass
+class EngineConfig:
+    """``model``: a built-in name, a Hugging Face folder or a GGUF file, or a loaded model (with
+    its own dtype and device). ``dtype="auto"`` is bfloat16 where the hardware has native
+    bfloat16 matrix instructions, float32 elsewhere. ``max_model_len`` caps the model's context.
+    Without a KV budget (``kv_cache_tokens`` or ``kv_cache_memory``, per worker when
+    distributed), the cache holds ``max_batch_size`` full-context requests, capped by memory
+    (``kv.plan_kv_blocks``). With ``tensor_parallel_size`` x ``pipeline_parallel_size`` > 1 (or a
+    ``parallel_config``: more nodes, the stage-to-layer map, threads) the model runs on worker
+    processes (``orca_ext.distributed``)."""
+
+    model: str | LoadedModel = DEFAULT_MODEL
+    dtype: torch.dtype | str = "auto"
+    device: str | None = None  # default: cuda when available, else cpu
+    max_model_len: int | None = None
+    max_batch_size: int = 32
+    policy: str = "orca"
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_tokens: int | None = None
+    kv_cache_memory: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    parallel_config: ParallelConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as exc:
+            raise ValueError(f"device: {self.device!r} is not a device ({exc})") from None
+        self.device = str(device)
+        if isinstance(self.model, str):
+            self.dtype = resolve_dtype(self.dtype, device)
+        for name in ("max_model_len", "kv_cache_tokens", "kv_cache_memory"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.kv_cache_tokens is not None and self.kv_cache_memory is not None:
+            raise ValueError("give at most one of kv_cache_tokens and kv_cache_memory, got "
+                             f"kv_cache_tokens={self.kv_cache_tokens}, "
+                             f"kv_cache_memory={self.kv_cache_memory}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        self.parallel_config = _parallel_config(self.tensor_parallel_size,
+                                                self.pipeline_parallel_size, self.parallel_config)
+        if self.parallel_config is not None:
+            self.tensor_parallel_size = self.parallel_config.tensor_parallel_size
+            self.pipeline_parallel_size = self.parallel_config.pipeline_parallel_size
+            if not isinstance(self.model, str):
+                raise ValueError("model: distributed workers load the weights themselves; pass "
+                                 "a built-in name or a model path, not a loaded model")
+        self.scheduler_config()  # checks the policy and its limits
+
+    @property
+    def distributed(self) -> bool:
+        return self.parallel_config is not None
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.policy, self.max_batch_size, self.pipeline_parallel_size,
+                               self.max_num_batched_tokens)
+
+    def replace(self, **changes: object) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _parallel_config(tp: int, pp: int,
+                     config: ParallelConfig | None) -> ParallelConfig | None:
+    """The distributed layout asked for, or None for the in-process runner."""
+    if config is None:
+        if tp == 1 and pp == 1:
+            return None
+        from .distributed import ParallelConfig
+
+        return ParallelConfig(tp, pp)
+    if (tp, pp) not in ((1, 1), (config.tensor_parallel_size, config.pipeline_parallel_size)):
+        raise ValueError(f"tensor_parallel_size / pipeline_parallel_size ({tp}, {pp}) disagree "
+                         f"with parallel_config ({config.tensor_parallel_size}, "
+                         f"{config.pipeline_parallel_size})")
+    return config

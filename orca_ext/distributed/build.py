@@ -1,0 +1,48 @@
+"""``build_distributed_engine``: an Engine whose executor runs the model on worker processes."""
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import EngineConfig
+from ..engine import Engine
+from ..kv import SlotAllocator, plan_kv_blocks
+from ..model.loader import load_model_info
+from ..scheduler import make_scheduler
+from .executor import DistributedExecutor
+from .messages import WorkerSpec
+
+
+def build_distributed_engine(config: EngineConfig) -> Engine:
+    """The engine ``config`` describes, on its ``parallel_config``'s workers (this process is
+    the driver: node 0). ``kv_cache_memory`` is per worker. ``Engine.shutdown`` stops them."""
+    from ..build import with_context
+
+    parallel = config.parallel_config
+    if parallel.node_rank != 0:
+        raise ValueError("only node 0 runs the engine; other nodes run run_node()")
+    device = config.device.split(":")[0]
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device: distributed workers take 'cpu' or 'cuda' (each worker uses "
+                         f"the GPU of its index on its node), got {config.device!r}")
+    info = with_context(load_model_info(config.model), config.max_model_len)
+    model_config = info.config
+    parallel.check_model(model_config)
+    stages = parallel.stage_layers(model_config.num_layers)
+    tp = parallel.tensor_parallel_size
+    worker_config = dataclasses.replace(model_config, num_layers=max(len(s) for s in stages),
+                                        num_heads=model_config.num_heads // tp,
+                                        num_kv_heads=model_config.num_kv_heads // tp)
+    # On a CPU, this node's workers hold their caches in this machine's memory.
+    local_caches = parallel.num_workers // parallel.nnodes if device == "cpu" else 1
+    num_blocks, _ = plan_kv_blocks(worker_config, config.block_size, config.dtype, device,
+                                   config.max_batch_size, info.max_model_len,
+                                   config.kv_cache_tokens, config.kv_cache_memory, local_caches)
+    allocator = SlotAllocator(num_blocks, config.block_size)
+    spec = WorkerSpec(config.model, str(config.dtype).removeprefix("torch."), device, tp,
+                      parallel.pipeline_parallel_size, [(s.start, s.stop) for s in stages],
+                      num_blocks, config.block_size)
+    executor = DistributedExecutor(parallel, spec, model_config)
+    return Engine(executor, make_scheduler(config.scheduler_config(), allocator),
+                  max_model_len=info.max_model_len, tokenizer=info.tokenizer,
+                  eos_token_ids=info.eos_token_ids, vocab_size=model_config.vocab_size,
+                  chat_template=info.chat_template, bos_token_id=model_config.bos_token_id)

@@ -1,0 +1,8 @@
+"""KV slot allocator (C++): see ``csrc/kv/slot_allocator.h`` and docs/internals.md.
+
+``build_metadata`` turns each request's block ids into one iteration's attention metadata;
+the runner calls it on its own copy of the block tables (``csrc/kv/metadata.h``).
+"""
+from .._C import KVCacheFullError, SlotAllocator, UnknownRequestError, build_metadata
+
+__all__ = ["KVCacheFullError", "SlotAllocator", "UnknownRequestError", "build_metadata"]

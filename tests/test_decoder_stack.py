@@ -1,0 +1,219 @@
+"""The prepared ``DecoderStack`` against the models' own per-op blocks, and its errors."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from orca_ext.kv import KVCache, SlotAllocator
+from orca_ext.model import load_model
+from orca_ext.model.gpt2 import GPT2
+from orca_ext.model.layers import AttentionMetadata, Linear
+from orca_ext.runner.decoder_stack import build_decoder_stack, stack_forward, unsupported_reason
+from tiny_models import SPECS, VOCAB, make_hf_model, save_hf_model
+
+BLOCK_SIZE = 4
+# (tokens already in the cache, tokens this iteration) per request: decodes at batch 1 / 4 / 8
+# and a mixed batch of 8 tokens (the stack takes up to 8).
+BATCHES = {
+    "decode_1": [(9, 1)],
+    "decode_4": [(3, 1), (17, 1), (0, 1), (30, 1)],
+    "decode_8": [(i * 5, 1) for i in range(8)],
+    "mixed_8": [(0, 5), (12, 1), (7, 2)],
+}
+
+
+@pytest.fixture(scope="module", params=list(SPECS))
+def model_folder(request, tmp_path_factory):
+    return save_hf_model(make_hf_model(request.param), tmp_path_factory.mktemp(request.param))
+
+
+def run_both(loaded, batch: list[tuple[int, int]], seed: int = 0):
+    """(hidden states, caches) from the model's own forward and from the fused one, each from
+    the same random caches and inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = sum(-(-(done + n) // BLOCK_SIZE) for done, n in batch) + 2
+    allocator = SlotAllocator(blocks, BLOCK_SIZE)
+    for r, (done, n) in enumerate(batch):
+        allocator.allocate(r, done + n)
+    *meta_args, positions = allocator.build_metadata(list(range(len(batch))),
+                                                     [done for done, _ in batch],
+                                                     [n for _, n in batch])
+    meta = AttentionMetadata(*meta_args)
+    input_ids = torch.randint(0, VOCAB, (positions.numel(),), generator=gen)
+    cache = KVCache(loaded.config, blocks, BLOCK_SIZE, loaded.dtype)
+    for k, v in cache:
+        k.copy_(torch.randn(k.shape, generator=gen))
+        v.copy_(torch.randn(v.shape, generator=gen))
+    stack = build_decoder_stack(loaded.model)
+    results = []
+    for fused in (False, True):
+        caches = KVCache(loaded.config, blocks, BLOCK_SIZE, loaded.dtype)
+        for (k, v), (k0, v0) in zip(caches, cache):
+            k.copy_(k0)
+            v.copy_(v0)
+        with torch.inference_mode():
+            if fused:
+                hidden = stack_forward(loaded.model, stack, input_ids, positions, caches, meta)
+            else:
+                hidden = loaded.model(input_ids, positions, caches, meta)
+        results.append((hidden, caches))
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_fused_blocks_match_the_models_blocks(model_folder, batch, dtype):
+    """Same kernels, same work split, same rounding: the fused stack gives the per-op blocks'
+    hidden states and KV caches bit for bit (GPT-2; Llama with GQA, llama3 rope, biases; Qwen2;
+    Mistral's head_dim)."""
+    loaded = load_model(str(model_folder), dtype=dtype)
+    (want, want_caches), (got, got_caches) = run_both(loaded, BATCHES[batch])
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.equal(got, want)
+    for (k_want, v_want), (k_got, v_got) in zip(want_caches, got_caches):
+        assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+
+
+def test_stack_applies_to_plain_models_only(model_folder):
+    loaded = load_model(str(model_folder))
+    model = loaded.model
+    assert unsupported_reason(model) is None
+
+    class Subclass(type(model)):
+        pass
+
+    model.__class__ = Subclass  # e.g. a wrapper that changes forward
+    assert "is not a GPT-2 or Llama model" in unsupported_reason(model)
+    with pytest.raises(ValueError, match="no DecoderStack for this model"):
+        build_decoder_stack(model)
+    model.__class__ = Subclass.__bases__[0]
+
+    class ShardedLinear(Linear):
+        pass
+
+    linear = next(m for m in model.layers[-1].mlp.modules() if isinstance(m, Linear))
+    linear.__class__ = ShardedLinear  # e.g. the tensor-parallel wrappers
+    assert "tensor-parallel" in unsupported_reason(model)
+    linear.__class__ = Linear
+
+
+HIDDEN, HEADS, HEAD_DIM = 32, 2, 16
+
+
+def layer_args(**change) -> dict:
+    """add_layer's arguments for a GPT-2-shaped block (hidden 32, 2 heads)."""
+    args = dict(attn_norm_weight=torch.rand(HIDDEN), attn_norm_bias=torch.randn(HIDDEN),
+                qkv_weight=torch.randn(3 * HIDDEN, HIDDEN), qkv_bias=None,
+                out_weight=torch.randn(HIDDEN, HIDDEN), out_bias=None,
+                mlp_norm_weight=torch.rand(HIDDEN), mlp_norm_bias=torch.randn(HIDDEN),
+                up_weight=torch.randn(4 * HIDDEN, HIDDEN), up_bias=None,
+                down_weight=torch.randn(HIDDEN, 4 * HIDDEN), down_bias=None, scale=0.25)
+    args.update(change)
+    return args
+
+
+def small_stack(num_layers: int = 1, **config):
+    torch.manual_seed(0)
+    settings = dict(norm="layer_norm", norm_eps=1e-5, activation="gelu_tanh", num_heads=HEADS,
+                    num_kv_heads=HEADS, head_dim=HEAD_DIM) | config
+    stack = torch.classes.orca.DecoderStack(*settings.values())
+    for _ in range(num_layers):
+        stack.add_layer(*layer_args().values())
+    return stack
+
+
+def step_args(num_layers: int = 1, tokens: int = 3, **change) -> dict:
+    """forward's arguments: one decode per token, contexts of 5 in blocks of 4."""
+    args = dict(
+        x=torch.randn(tokens, HIDDEN),
+        k_caches=[torch.randn(8, 4, HEADS, HEAD_DIM) for _ in range(num_layers)],
+        v_caches=[torch.randn(8, 4, HEADS, HEAD_DIM) for _ in range(num_layers)],
+        cu_q_lens=torch.arange(tokens + 1, dtype=torch.int32),
+        context_lens=torch.full((tokens,), 5, dtype=torch.int32),
+        block_table=torch.arange(2 * tokens, dtype=torch.int32).view(tokens, 2),
+        slot_mapping=torch.arange(tokens, dtype=torch.int64) * 8 + 4, rotary_cos=None,
+        rotary_sin=None)
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(norm="none"), "DecoderStack needs a norm"),
+    (dict(norm="batch_norm"), "norm must be one of"),
+    (dict(activation="swish"), "activation must be one of"),
+    (dict(num_kv_heads=3), "num_heads (2) must be a positive multiple of num_kv_heads (3)"),
+    (dict(head_dim=7), "head_dim must be a positive even number, got 7"),
+    (dict(norm_eps=float("nan")), "norm_eps must be finite and >= 0"),
+])
+def test_config_errors_name_the_bad_argument(change, message):
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        small_stack(**change)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(scale=-1.0), "scale must be a finite positive number, got -1"),
+    (dict(qkv_weight=torch.randn(90, 32)), "qkv_weight must have (num_heads + 2 * num_kv_heads)"),
+    (dict(down_weight=torch.randn(32, 100)),
+     "layer 0's down linear: weight is [32, 100] but x is [1, 128]"),
+    (dict(qkv_bias=torch.zeros(95)),
+     "layer 0's qkv linear: bias has 95 entries but weight has N = 96"),
+    (dict(attn_norm_weight=torch.rand(31)), "layer 0's qkv linear: norm_weight has 31 entries"),
+    (dict(out_weight=torch.randn(32, 32, dtype=torch.bfloat16)),
+     "layer 0's out_weight is BFloat16 on cpu; the stack's tensors must be Float on the CPU"),
+    (dict(qkv_weight=torch.randn(96)), "qkv_weight must be 2-D"),
+])
+def test_layer_errors_name_the_bad_argument(change, message):
+    stack = small_stack(num_layers=0)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        stack.add_layer(*layer_args(**change).values())
+    assert stack.num_layers() == 0  # a rejected layer is not added
+
+
+def test_layers_must_agree():
+    stack = small_stack(num_layers=1)
+    with pytest.raises(RuntimeError, match="layer 1 has a different set of biases than layer 0"):
+        stack.add_layer(*layer_args(qkv_bias=torch.zeros(96)).values())
+    with pytest.raises(RuntimeError, match="layer 1's MLP width 64 differs from layer 0's 128"):
+        stack.add_layer(*layer_args(up_weight=torch.randn(64, 32),
+                                    down_weight=torch.randn(32, 64)).values())
+    with pytest.raises(RuntimeError, match="layer 1's qkv_weight is BFloat16"):
+        stack.add_layer(*layer_args(qkv_weight=torch.randn(96, 32,
+                                                           dtype=torch.bfloat16)).values())
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(x=torch.randn(3, 30)), "x must be Float [T, 32] on the CPU"),
+    (dict(x=torch.randn(9, 32)), "DecoderStack runs up to 8 tokens a call, got 9"),
+    (dict(k_caches=[]), "k_caches and v_caches must hold one cache per layer (1)"),
+    (dict(rotary_cos=torch.ones(3, 8)), "rotary_cos and rotary_sin must be given together"),
+    (dict(rotary_cos=torch.ones(3, 4), rotary_sin=torch.ones(3, 4)),
+     "rotary_cos must be [T, head_dim / 2] = [3, 8], got [3, 4]"),
+    (dict(context_lens=torch.full((3,), 40, dtype=torch.int32)), "needs 10 blocks of 4"),
+    (dict(slot_mapping=torch.arange(3, dtype=torch.int32)), "slot_mapping must have dtype Long"),
+    (dict(slot_mapping=torch.tensor([0, 32, 1])),
+     "slot_mapping[1] = 32 is out of range for a cache of 32 slots"),
+])
+def test_step_errors_name_the_bad_argument(change, message):
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        small_stack().forward(*step_args(**change).values())
+
+
+def test_layers_must_share_cache_shape():
+    args = step_args(num_layers=2)
+    args["v_caches"][1] = torch.randn(9, 4, 2, 16)
+    with pytest.raises(RuntimeError, match="layer 1's KV cache is Float \\[9, 4, 2, 16\\]"):
+        small_stack(num_layers=2).forward(*args.values())
+
+
+def test_empty_batch_returns_a_copy_of_the_input():
+    args = step_args(tokens=0)
+    out = small_stack().forward(*args.values())
+    assert out.shape == (0, HIDDEN)
+
+
+def test_builtin_model_uses_the_stack():
+    model = load_model("orca-tiny").model
+    assert isinstance(model, GPT2) and unsupported_reason(model) is None
+    assert build_decoder_stack(model).num_layers() == model.config.num_layers
