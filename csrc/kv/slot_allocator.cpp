@@ -59,13 +59,14 @@ std::vector<uint64_t> SlotAllocator::block_hashes(const std::vector<int64_t>& to
   return hashes;
 }
 
-int64_t SlotAllocator::match_prefix(const std::vector<uint64_t>& hashes,
-                                    int64_t* num_evictable) const {
+int64_t SlotAllocator::match_prefix(const std::vector<uint64_t>& hashes, int64_t* num_evictable,
+                                    std::vector<int32_t>* blocks) const {
   int64_t found = 0, evictable = 0;
   for (const uint64_t h : hashes) {
     const auto it = cached_.find(h);
     if (it == cached_.end()) break;
     evictable += ref_[it->second] == 0;
+    if (blocks != nullptr) blocks->push_back(it->second);
     ++found;
   }
   if (num_evictable != nullptr) *num_evictable = evictable;
@@ -73,13 +74,13 @@ int64_t SlotAllocator::match_prefix(const std::vector<uint64_t>& hashes,
 }
 
 int64_t SlotAllocator::num_cached_prefix_blocks(const std::vector<uint64_t>& hashes) const {
-  return match_prefix(hashes, nullptr);
+  return match_prefix(hashes, nullptr, nullptr);
 }
 
 int64_t SlotAllocator::num_blocks_to_allocate(int64_t num_tokens,
                                               const std::vector<uint64_t>& prefix_hashes) const {
   int64_t evictable = 0;
-  const int64_t found = match_prefix(prefix_hashes, &evictable);
+  const int64_t found = match_prefix(prefix_hashes, &evictable, nullptr);
   return blocks_needed(num_tokens) - found + evictable;
 }
 
@@ -154,18 +155,16 @@ int64_t SlotAllocator::allocate(int64_t request_id, int64_t num_tokens,
                                 " tokens, more than num_tokens (" + std::to_string(num_tokens) +
                                 ")");
   }
+  std::vector<int32_t> blocks;
+  blocks.reserve(blocks_needed(num_tokens));
   int64_t evictable = 0;
-  const int64_t found = match_prefix(prefix_hashes, &evictable);
+  const int64_t found = match_prefix(prefix_hashes, &evictable, &blocks);
   const int64_t fresh = blocks_needed(num_tokens) - found;
   if (fresh > num_free_blocks() - evictable) {
     throw_full(request_id, fresh, num_free_blocks() - evictable);
   }
-  std::vector<int32_t> blocks;
-  blocks.reserve(found + fresh);
-  for (int64_t i = 0; i < found; ++i) {
-    const int32_t block = cached_.find(prefix_hashes[i])->second;
+  for (const int32_t block : blocks) {
     if (ref_[block]++ == 0) lru_remove(block);
-    blocks.push_back(block);
   }
   take_blocks(blocks, fresh, request_id);
   blocks_.emplace(request_id, std::move(blocks));
@@ -249,11 +248,13 @@ int64_t SlotAllocator::ref_count(int64_t block) const {
 
 void SlotAllocator::check_invariants() const {
   auto fail = [](const std::string& what) { throw std::logic_error("SlotAllocator: " + what); };
-  // Where each block was seen: 0 nowhere, 1 free list, 2 LRU.
+  // Whether each block was seen in the free list or the LRU.
   std::vector<uint8_t> seen(num_blocks_, 0);
   for (const int32_t b : free_list_) {
     if (b < 0 || b >= num_blocks_ || seen[b]) fail("free list has a bad or repeated block");
-    if (ref_[b] != 0 || has_hash_[b]) fail("free block " + std::to_string(b) + " is held or hashed");
+    if (ref_[b] != 0 || has_hash_[b]) {
+      fail("free block " + std::to_string(b) + " is held or hashed");
+    }
     seen[b] = 1;
   }
   int64_t evictable = 0;
@@ -263,7 +264,7 @@ void SlotAllocator::check_invariants() const {
     if (ref_[b] != 0 || !has_hash_[b]) {
       fail("evictable block " + std::to_string(b) + " is held or unhashed");
     }
-    seen[b] = 2;
+    seen[b] = 1;
     ++evictable;
   }
   if (evictable != num_evictable_) fail("num_evictable disagrees with the LRU list");
@@ -318,16 +319,18 @@ MetadataShape SlotAllocator::metadata_shape(const int64_t* request_ids,
                                   std::to_string(num_new[r]) + ") must be >= 0");
     }
     const int64_t context = num_computed[r] + num_new[r];
-    const int64_t cap = capacity(request_ids[r]);
+    const auto& blocks = this->blocks(request_ids[r]);
+    const int64_t cap = static_cast<int64_t>(blocks.size()) * block_size_;
     if (context > cap) {
       throw std::invalid_argument(id_str(request_ids[r]) + " needs " + std::to_string(context) +
                                   " KV slots but holds " + std::to_string(cap) +
                                   "; extend it first");
     }
     // Hashed blocks hold final, possibly shared KV: this row's new tokens must not land there.
-    const auto& blocks = this->blocks(request_ids[r]);
-    const int64_t first = num_new[r] > 0 ? num_computed[r] / block_size_ : blocks_needed(context);
-    for (int64_t b = first; b < blocks_needed(context); ++b) {
+    const int64_t used = blocks_needed(context);
+    shape.max_blocks = std::max(shape.max_blocks, used);
+    const int64_t first = num_new[r] > 0 && !cached_.empty() ? num_computed[r] / block_size_ : used;
+    for (int64_t b = first; b < used; ++b) {
       if (has_hash_[blocks[b]]) {
         throw std::invalid_argument(
             id_str(request_ids[r]) + " would write position " +
@@ -336,7 +339,6 @@ MetadataShape SlotAllocator::metadata_shape(const int64_t* request_ids,
       }
     }
     shape.num_tokens += num_new[r];
-    shape.max_blocks = std::max(shape.max_blocks, blocks_needed(context));
   }
   return shape;
 }

@@ -109,8 +109,10 @@ class SlotAllocator {
   std::vector<int32_t>& owned(int64_t request_id);
   void take_blocks(std::vector<int32_t>& into, int64_t count, int64_t request_id);
   [[noreturn]] void throw_full(int64_t request_id, int64_t count, int64_t available) const;
-  // Cached blocks of the longest found prefix of hashes, and how many of them are evictable.
-  int64_t match_prefix(const std::vector<uint64_t>& hashes, int64_t* num_evictable) const;
+  // Length of the longest cached prefix of hashes; optionally how many of its blocks are
+  // evictable, and the blocks themselves appended to blocks.
+  int64_t match_prefix(const std::vector<uint64_t>& hashes, int64_t* num_evictable,
+                       std::vector<int32_t>* blocks) const;
   void lru_push_back(int32_t block);
   void lru_remove(int32_t block);
   void forget_hash(int32_t block);
