@@ -173,6 +173,10 @@ def test_prefix_errors_are_clear():
         alloc.allocate(1, 3, a)
     with pytest.raises(ValueError, match="num_tokens must be >= 0, got -1"):
         alloc.allocate(1, -1, a)
+    with pytest.raises(ValueError, match=r"^2 prefix_hashes cover 4 tokens, more than num_tokens"):
+        alloc.num_blocks_to_allocate(3, a)
+    with pytest.raises(ValueError, match="num_tokens must be >= 0, got -2"):
+        alloc.num_blocks_to_allocate(-2)
     alloc.allocate(1, 3)
     with pytest.raises(ValueError, match="request 1 holds 2 KV blocks, got 3 hashes"):
         alloc.cache_blocks(1, a + a[:1])

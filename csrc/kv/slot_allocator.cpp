@@ -77,8 +77,23 @@ int64_t SlotAllocator::num_cached_prefix_blocks(const std::vector<uint64_t>& has
   return match_prefix(hashes, nullptr, nullptr);
 }
 
+void SlotAllocator::check_request(const std::string& who, int64_t num_tokens,
+                                  const std::vector<uint64_t>& prefix_hashes) const {
+  if (num_tokens < 0) {
+    throw std::invalid_argument("num_tokens must be >= 0, got " + std::to_string(num_tokens));
+  }
+  const auto offered = static_cast<int64_t>(prefix_hashes.size());
+  if (offered * block_size_ > num_tokens) {
+    throw std::invalid_argument(who + std::to_string(offered) + " prefix_hashes cover " +
+                                std::to_string(offered * block_size_) +
+                                " tokens, more than num_tokens (" + std::to_string(num_tokens) +
+                                ")");
+  }
+}
+
 int64_t SlotAllocator::num_blocks_to_allocate(int64_t num_tokens,
                                               const std::vector<uint64_t>& prefix_hashes) const {
+  check_request("", num_tokens, prefix_hashes);
   int64_t evictable = 0;
   const int64_t found = match_prefix(prefix_hashes, &evictable, nullptr);
   return blocks_needed(num_tokens) - found + evictable;
@@ -86,9 +101,10 @@ int64_t SlotAllocator::num_blocks_to_allocate(int64_t num_tokens,
 
 bool SlotAllocator::can_allocate(int64_t num_tokens,
                                  const std::vector<uint64_t>& prefix_hashes) const {
-  return num_tokens >= 0 &&
-         static_cast<int64_t>(prefix_hashes.size()) * block_size_ <= num_tokens &&
-         num_blocks_to_allocate(num_tokens, prefix_hashes) <= num_free_blocks();
+  if (num_tokens < 0 || static_cast<int64_t>(prefix_hashes.size()) * block_size_ > num_tokens) {
+    return false;
+  }
+  return num_blocks_to_allocate(num_tokens, prefix_hashes) <= num_free_blocks();
 }
 
 void SlotAllocator::throw_full(int64_t request_id, int64_t count, int64_t available) const {
@@ -148,13 +164,7 @@ int64_t SlotAllocator::allocate(int64_t request_id, int64_t num_tokens,
   if (contains(request_id)) {
     throw std::invalid_argument(id_str(request_id) + " already holds KV blocks; free it first");
   }
-  const auto offered = static_cast<int64_t>(prefix_hashes.size());
-  if (offered * block_size_ > num_tokens) {
-    throw std::invalid_argument(id_str(request_id) + ": " + std::to_string(offered) +
-                                " prefix_hashes cover " + std::to_string(offered * block_size_) +
-                                " tokens, more than num_tokens (" + std::to_string(num_tokens) +
-                                ")");
-  }
+  check_request(id_str(request_id) + ": ", num_tokens, prefix_hashes);
   std::vector<int32_t> blocks;
   blocks.reserve(blocks_needed(num_tokens));
   int64_t evictable = 0;
@@ -168,7 +178,7 @@ int64_t SlotAllocator::allocate(int64_t request_id, int64_t num_tokens,
   }
   take_blocks(blocks, fresh, request_id);
   blocks_.emplace(request_id, std::move(blocks));
-  prefix_queries_ += offered * block_size_;
+  prefix_queries_ += static_cast<int64_t>(prefix_hashes.size()) * block_size_;
   prefix_hits_ += found * block_size_;
   return found * block_size_;
 }

@@ -108,6 +108,9 @@ class SlotAllocator {
  private:
   std::vector<int32_t>& owned(int64_t request_id);
   void take_blocks(std::vector<int32_t>& into, int64_t count, int64_t request_id);
+  // ValueError-style checks of num_tokens and prefix_hashes; who prefixes the message.
+  void check_request(const std::string& who, int64_t num_tokens,
+                     const std::vector<uint64_t>& prefix_hashes) const;
   [[noreturn]] void throw_full(int64_t request_id, int64_t count, int64_t available) const;
   // Length of the longest cached prefix of hashes; optionally how many of its blocks are
   // evictable, and the blocks themselves appended to blocks.
