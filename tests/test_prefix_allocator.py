@@ -38,6 +38,18 @@ def test_block_hashes_chain_over_parent_tokens_and_extra_key():
     assert SlotAllocator(8, 2).block_hashes(tokens[:4])[1] != hashes[0]
 
 
+def test_block_hashes_of_near_identical_blocks_are_distinct_and_well_mixed():
+    alloc = SlotAllocator(8, 4)
+    blocks = [[0, 0, 0, 0] for _ in range(4 * 2048)]
+    for i, block in enumerate(blocks):
+        block[i % 4] = i // 4 + 1  # one token differs from all zeros, at each position
+    hashes = [alloc.block_hashes(b)[0] for b in blocks]
+    hashes += [alloc.block_hashes([0, 0, 0, 0], extra_key=k)[0] for k in range(-1000, 1000)]
+    assert len(set(hashes)) == len(hashes)
+    ones = [sum(h >> bit & 1 for h in hashes) / len(hashes) for bit in range(64)]
+    assert all(0.45 < p < 0.55 for p in ones)  # every bit is set about half the time
+
+
 def test_reuse_of_the_longest_cached_prefix_and_two_holders():
     alloc = SlotAllocator(8, 4)
     a = cached_request(alloc, 1, list(range(12)))
