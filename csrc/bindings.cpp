@@ -44,6 +44,10 @@ py::tuple build_metadata(const std::vector<std::vector<int32_t>>& block_ids,
 py::tuple allocator_metadata(const SlotAllocator& alloc, const std::vector<int64_t>& request_ids,
                              const std::vector<int64_t>& num_computed,
                              const std::vector<int64_t>& num_new) {
+  if (num_computed.size() == request_ids.size() && num_new.size() == request_ids.size()) {
+    alloc.check_rows(request_ids.data(), num_computed.data(), num_new.data(),
+                     static_cast<int64_t>(request_ids.size()));
+  }
   std::vector<std::vector<int32_t>> block_ids;
   block_ids.reserve(request_ids.size());
   for (const int64_t id : request_ids) block_ids.push_back(alloc.blocks(id));
@@ -94,20 +98,47 @@ PYBIND11_MODULE(_C, m) {
                             "block lists (see docs/internals.md)")
       .def(py::init<int64_t, int64_t>(), py::arg("num_blocks"), py::arg("block_size"))
       .def("allocate", &SlotAllocator::allocate, py::arg("request_id"), py::arg("num_tokens"),
-           "Give a new request blocks for num_tokens slots")
+           py::arg("prefix_hashes") = std::vector<uint64_t>{},
+           "Give a new request blocks for num_tokens slots, reusing the cached blocks of the "
+           "longest found prefix of prefix_hashes; returns the cached tokens reused")
       .def("extend", &SlotAllocator::extend, py::arg("request_id"), py::arg("total_tokens"),
            "Grow a request's blocks to hold total_tokens slots")
-      .def("free", &SlotAllocator::free, py::arg("request_id"), "Return a request's blocks")
-      .def("can_allocate", &SlotAllocator::can_allocate, py::arg("num_tokens"))
+      .def("free", &SlotAllocator::free, py::arg("request_id"),
+           "Drop a request's blocks: hashed ones stay cached (evictable), others become free")
+      .def("can_allocate", &SlotAllocator::can_allocate, py::arg("num_tokens"),
+           py::arg("prefix_hashes") = std::vector<uint64_t>{})
+      .def("num_blocks_to_allocate", &SlotAllocator::num_blocks_to_allocate,
+           py::arg("num_tokens"), py::arg("prefix_hashes") = std::vector<uint64_t>{},
+           "How much num_free_blocks would drop on allocate(num_tokens, prefix_hashes)")
       .def("blocks_needed", &SlotAllocator::blocks_needed, py::arg("num_tokens"))
       .def("capacity", &SlotAllocator::capacity, py::arg("request_id"))
       .def("blocks", &SlotAllocator::blocks, py::arg("request_id"))
       .def("__contains__", &SlotAllocator::contains)
+      .def("block_hashes", &SlotAllocator::block_hashes, py::arg("token_ids"),
+           py::arg("extra_key") = 0, py::arg("parent") = py::none(),
+           "64-bit hashes of the full blocks of token_ids, each chained on the previous one "
+           "(the first on parent) and salted with extra_key")
+      .def("num_cached_prefix_blocks", &SlotAllocator::num_cached_prefix_blocks,
+           py::arg("hashes"), "Length of the longest prefix of hashes that is cached")
+      .def("cache_blocks", &SlotAllocator::cache_blocks, py::arg("request_id"),
+           py::arg("hashes"),
+           "Register hashes[i] for the request's computed block i; returns how many were new")
+      .def("shared_prefix_blocks", &SlotAllocator::shared_prefix_blocks, py::arg("request_id"),
+           "Leading hashed (read-only, maybe shared) blocks of the request's list")
+      .def("reset_prefix_cache", &SlotAllocator::reset_prefix_cache,
+           "Forget the hashes of all evictable blocks; returns how many")
+      .def("ref_count", &SlotAllocator::ref_count, py::arg("block"))
+      .def("check_invariants", &SlotAllocator::check_invariants,
+           "Raise RuntimeError naming the first broken bookkeeping invariant")
       .def_property_readonly("num_blocks", &SlotAllocator::num_blocks)
       .def_property_readonly("block_size", &SlotAllocator::block_size)
       .def_property_readonly("num_free_blocks", &SlotAllocator::num_free_blocks)
       .def_property_readonly("num_used_blocks", &SlotAllocator::num_used_blocks)
       .def_property_readonly("num_requests", &SlotAllocator::num_requests)
+      .def_property_readonly("num_cached_blocks", &SlotAllocator::num_cached_blocks)
+      .def_property_readonly("num_evictable_blocks", &SlotAllocator::num_evictable_blocks)
+      .def_property_readonly("prefix_queries", &SlotAllocator::prefix_queries)
+      .def_property_readonly("prefix_hits", &SlotAllocator::prefix_hits)
       .def("build_metadata", &allocator_metadata, py::arg("request_ids"),
            py::arg("num_computed"), py::arg("num_new"),
            "(cu_q_lens, context_lens, block_table, slot_mapping, positions) for one iteration");
