@@ -152,10 +152,10 @@ case("kv-past-2-31", "a KV cache of more than 2^31 elements (8.6 GB)",
 
 def model_check() -> bool:
     """orca-tiny (float32) on CUDA, decode iterations from CUDA graphs, against the CPU."""
-    from orca_ext.batch import ScheduledRequest, SchedulerOutput
-    from orca_ext.executor import KVCache, ModelRunner
-    from orca_ext.kv import SlotAllocator
+    from orca_ext.batch import NewRequestData, ScheduledRequest, SchedulerOutput
+    from orca_ext.kv import KVCache, SlotAllocator
     from orca_ext.model import load_model
+    from orca_ext.runner import ModelRunner
     from orca_ext.sampling_params import SamplingParams
 
     prompts = [list(b"Hello, my name is"), list(b"The capital of France is"), list(b"1 2 3")]
@@ -163,22 +163,22 @@ def model_check() -> bool:
     results, fed = {}, []  # fed: the CPU run's tokens, fed to the CUDA run too
     for device in ("cpu", "cuda"):
         loaded = load_model("orca-tiny", "float32", device)
-        runner = ModelRunner(loaded.model, KVCache(loaded.config, 16, 16, torch.float32, device),
-                             SlotAllocator(16, 16))
+        runner = ModelRunner(loaded.model, KVCache(loaded.config, 16, 16, torch.float32, device))
         runner.sampler = tc.RecordingSampler(runner.sampler)
+        allocator = SlotAllocator(16, 16)
         done = {}
         for r, p in enumerate(prompts):
-            runner.allocator.allocate(r, len(p) + 16)
+            allocator.allocate(r, len(p) + 16)
             done[r] = len(p)
-        out = runner.execute(SchedulerOutput(0, [ScheduledRequest(r, p, 0, params, p, [])
-                                                 for r, p in enumerate(prompts)]))
+        out = runner.execute(SchedulerOutput(
+            0, [ScheduledRequest(r, p, 0, allocator.blocks(r)) for r, p in enumerate(prompts)],
+            [NewRequestData(r, len(p), params) for r, p in enumerate(prompts)]))
         tokens = dict(enumerate(out.sampled_token_ids))
         for i in range(12):
             running = list(range(len(prompts))) if i % 3 else [0, 2]
             if device == "cpu":
                 fed.append([tokens[r] for r in running])
-            scheduled = [ScheduledRequest(r, [t], done[r], params, prompts[r], [])
-                         for r, t in zip(running, fed[i])]
+            scheduled = [ScheduledRequest(r, [t], done[r]) for r, t in zip(running, fed[i])]
             for r in running:
                 done[r] += 1
             out = runner.execute(SchedulerOutput(i + 1, scheduled))

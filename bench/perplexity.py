@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from orca_ext.executor import KVCache
-from orca_ext.kv import SlotAllocator
+from orca_ext.kv import KVCache, SlotAllocator
 from orca_ext.model import AttentionMetadata, LoadedModel, load_model, save_pretrained_folder
 from orca_ext.model.loader import load_model_info
 

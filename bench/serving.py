@@ -458,7 +458,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace, spec: WorkloadSpec) -> dict[str, Any]:
-    """``build_engine`` keywords: the KV cache holds max_batch_size of the longest requests, so
+    """``EngineConfig`` keywords: the KV cache holds max_batch_size of the longest requests, so
     the batch size, not memory, bounds every policy (as in bench/engine.py)."""
     longest = (spec.prompt_len[1] + spec.output_len[1] if spec.kind == "orca"
                else spec.max_model_len)
@@ -513,12 +513,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     engine = None
     if args.backend == "inproc":
         from orca_ext.async_engine import AsyncEngine
-        from orca_ext.llm import build_engine
+        from orca_ext import EngineConfig, build_engine
 
         loaded = load(args)
         spec = spec_for_model(args, loaded)
-        engine = AsyncEngine(build_engine(loaded, policy=args.policy,
-                                          **engine_kwargs(args, spec)))
+        engine = AsyncEngine(build_engine(EngineConfig(loaded, policy=args.policy,
+                                                       **engine_kwargs(args, spec))))
         backend: Backend = InProcessBackend(engine)
         label = args.policy
     else:

@@ -83,7 +83,7 @@ def run_sweep(loaded: Any, policies: Sequence[str], spec: serving.WorkloadSpec,
     another, so a burst of load from elsewhere on a shared machine hits them alike. Returns the
     points, orca's capacity (req/s; None with ``--rates``) and the rates."""
     from orca_ext.async_engine import AsyncEngine
-    from orca_ext.llm import build_engine
+    from orca_ext import EngineConfig, build_engine
 
     backends: dict[str, serving.InProcessBackend] = {}
     try:
@@ -92,7 +92,7 @@ def run_sweep(loaded: Any, policies: Sequence[str], spec: serving.WorkloadSpec,
             if policy == "paged":
                 kwargs["max_num_batched_tokens"] = args.paged_max_num_batched_tokens
             backends[policy] = serving.InProcessBackend(
-                AsyncEngine(build_engine(loaded, policy=policy, **kwargs)))
+                AsyncEngine(build_engine(EngineConfig(loaded, policy=policy, **kwargs))))
             serving.warmup(backends[policy], spec)
         capacity, rates = None, args.rates
         if rates is None:

@@ -29,6 +29,11 @@ TORCH_LIBRARY(orca, m) {
            {torch::arg("x"), torch::arg("k_caches"), torch::arg("v_caches"),
             torch::arg("cu_q_lens"), torch::arg("context_lens"), torch::arg("block_table"),
             torch::arg("slot_mapping"), torch::arg("rotary_cos"), torch::arg("rotary_sin")})
+      .def("forward_partial", &orca::DecoderStack::forward_partial, "",
+           {torch::arg("x"), torch::arg("k_caches"), torch::arg("v_caches"),
+            torch::arg("cu_q_lens"), torch::arg("context_lens"), torch::arg("block_table"),
+            torch::arg("slot_mapping"), torch::arg("rotary_cos"), torch::arg("rotary_sin"),
+            torch::arg("step"), torch::arg("add_residual")})
       .def("num_layers", &orca::DecoderStack::num_layers)
       .def("max_tokens", &orca::DecoderStack::max_tokens);
 }

@@ -33,7 +33,7 @@ class EngineConfig:
 
     model: str | LoadedModel = DEFAULT_MODEL
     dtype: torch.dtype | str = "auto"
-    device: str | None = None  # default: cuda when available, else cpu
+    device: str | None = None  # default: a loaded model's, else cuda when available, else cpu
     max_model_len: int | None = None
     max_batch_size: int = 32
     policy: str = "orca"
@@ -46,7 +46,9 @@ class EngineConfig:
     parallel_config: ParallelConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.device is None:
+        if self.device is None and not isinstance(self.model, str):
+            self.device = str(self.model.device)
+        elif self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         try:
             device = torch.device(self.device)
@@ -55,6 +57,11 @@ class EngineConfig:
         self.device = str(device)
         if isinstance(self.model, str):
             self.dtype = resolve_dtype(self.dtype, device)
+        elif self.dtype != "auto" and resolve_dtype(self.dtype, device) != self.model.dtype:
+            raise ValueError(f"dtype: {self.dtype} asked for a model loaded in "
+                             f"{self.model.dtype}; load it in that dtype, or pass its name")
+        else:
+            self.dtype = self.model.dtype
         for name in ("max_model_len", "kv_cache_tokens", "kv_cache_memory"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -6,7 +6,6 @@ import threading
 from collections import deque
 
 import pytest
-import torch
 
 from orca_ext.batch import (NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput,
                           TokenLogprobs)

@@ -18,11 +18,11 @@ import torch
 
 import orca_ext
 import reference_ops as ref
+from engine_fakes import ScriptedBatches
 from orca_ext import ops
-from orca_ext.batch import ScheduledRequest, SchedulerOutput
-from orca_ext.executor import KVCache, ModelRunner
-from orca_ext.kv import SlotAllocator
+from orca_ext.kv import KVCache, SlotAllocator
 from orca_ext.model import load_model
+from orca_ext.runner import ModelRunner
 from orca_ext.sampling_params import SamplingParams
 from orca_ext.testing import random_ragged_batch
 
@@ -465,32 +465,32 @@ def drive_runner(dtype, cuda_graphs, max_context=None):
     steps = len(DECODE_STEPS)
     blocks = sum(-(-(len(p) + steps) // block_size) for p in prompts)
     runner = ModelRunner(loaded.model, KVCache(loaded.config, blocks, block_size, dtype, "cuda"),
-                         SlotAllocator(blocks, block_size), cuda_graphs=cuda_graphs,
-                         cuda_graph_max_context=max_context)
+                         cuda_graphs=cuda_graphs, cuda_graph_max_context=max_context)
     runner.sampler = RecordingSampler(runner.sampler)
+    allocator = SlotAllocator(blocks, block_size)
+    batches = ScriptedBatches(allocator)
     params = SamplingParams(temperature=0.0)
     done = {}
     for r, prompt in enumerate(prompts):
-        runner.allocator.allocate(r, len(prompt) + steps)
+        allocator.allocate(r, len(prompt) + steps)
         done[r] = len(prompt)
-    runner.execute(SchedulerOutput(0, [ScheduledRequest(r, p, 0, params, p, [])
-                                       for r, p in enumerate(prompts)]))
+    runner.execute(batches.batch([(r, p, 0, params, len(p), True)
+                                  for r, p in enumerate(prompts)]))
     for i, running in enumerate(DECODE_STEPS):
-        scheduled = []
+        rows = []
         for r in running:
-            token = (7 * r + 3 * i) % 256
-            scheduled.append(ScheduledRequest(r, [token], done[r], params, prompts[r], []))
+            rows.append((r, [(7 * r + 3 * i) % 256], done[r], params, len(prompts[r]), True))
             done[r] += 1
-        runner.execute(SchedulerOutput(i + 1, scheduled))
-    return runner, runner.sampler.logits
+        runner.execute(batches.batch(rows))
+    return runner, allocator, runner.sampler.logits
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_runner_decode_graphs_match_eager(dtype):
     """Every decode iteration replays its bucket's graph (batches padded to the bucket) and gives
     the eager runner's logits, across iterations that change the batch."""
-    eager_runner, eager = drive_runner(dtype, cuda_graphs=False)
-    graph_runner, graphed = drive_runner(dtype, cuda_graphs=True)
+    eager_runner, _, eager = drive_runner(dtype, cuda_graphs=False)
+    graph_runner, _, graphed = drive_runner(dtype, cuda_graphs=True)
     assert eager_runner.graphs is None
     assert graph_runner.graphs.replays == len(DECODE_STEPS)
     assert sorted(graph_runner.graphs.graphs) == [1, 2, 4, 8, 16, 32]
@@ -504,8 +504,8 @@ def test_runner_decode_graphs_match_eager(dtype):
 def test_runner_decode_graph_replays_bit_for_bit():
     """The same decode iteration replayed twice (same KV slot, same values) gives the same
     bits."""
-    runner, _ = drive_runner(torch.bfloat16, cuda_graphs=True)
-    blocks = [runner.allocator.blocks(r) for r in (0, 1, 2)]
+    runner, allocator, _ = drive_runner(torch.bfloat16, cuda_graphs=True)
+    blocks = [allocator.blocks(r) for r in (0, 1, 2)]
     table = torch.zeros(3, max(map(len, blocks)), dtype=torch.int32)
     for r, ids in enumerate(blocks):
         table[r, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
@@ -520,8 +520,8 @@ def test_runner_decode_graph_replays_bit_for_bit():
 
 def test_runner_runs_long_contexts_eagerly():
     """Contexts past the graphs' longest run eagerly, and give the same results."""
-    runner, logits = drive_runner(torch.float32, cuda_graphs=True, max_context=32)
-    _, eager = drive_runner(torch.float32, cuda_graphs=False)
+    runner, _, logits = drive_runner(torch.float32, cuda_graphs=True, max_context=32)
+    _, _, eager = drive_runner(torch.float32, cuda_graphs=False)
     assert runner.graphs.replays < len(DECODE_STEPS)
     for got, want in zip(logits, eager):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -94,8 +94,8 @@ def test_stack_applies_to_plain_models_only(model_folder):
         pass
 
     linear = next(m for m in model.layers[-1].mlp.modules() if isinstance(m, Linear))
-    linear.__class__ = ShardedLinear  # e.g. the tensor-parallel wrappers
-    assert "tensor-parallel" in unsupported_reason(model)
+    linear.__class__ = ShardedLinear  # a Linear whose forward may do anything
+    assert "MLP up linears are not plain Linear layers" in unsupported_reason(model)
     linear.__class__ = Linear
 
 
@@ -217,3 +217,22 @@ def test_builtin_model_uses_the_stack():
     model = load_model("orca-tiny").model
     assert isinstance(model, GPT2) and unsupported_reason(model) is None
     assert build_decoder_stack(model).num_layers() == model.config.num_layers
+
+
+def test_partial_steps_compose_to_the_whole_stack():
+    """Half-layer steps (a tensor-parallel rank's, here with the identity for the all-reduce)
+    give the whole stack's result bit for bit; without the residual a step returns only the
+    half-layer's output."""
+    stack, args = small_stack(num_layers=2), step_args(num_layers=2)
+    caches = [[c.clone() for c in args["k_caches"]], [c.clone() for c in args["v_caches"]]]
+    want = stack.forward(*args.values())
+    x, rest = args["x"], list(args.values())[1:]
+    rest[0], rest[1] = caches
+    for step in range(4):
+        x = stack.forward_partial(x, *rest, step, True)
+    assert torch.equal(x, want)
+    partial = stack.forward_partial(args["x"], *rest, 1, False)
+    with_residual = stack.forward_partial(args["x"], *rest, 1, True)
+    torch.testing.assert_close(partial + args["x"], with_residual)
+    with pytest.raises(RuntimeError, match=re.escape("step must be in [0, 4)")):
+        stack.forward_partial(args["x"], *rest, 4, True)

@@ -74,7 +74,7 @@ def test_max_model_len_caps_the_context_with_the_usual_error(cores):
 
 
 def test_max_model_len_longer_than_the_model_is_refused():
-    with pytest.raises(ValueError, match=r"--max-model-len 4096 is longer than the model's "
+    with pytest.raises(ValueError, match=r"max_model_len 4096 is longer than the model's "
                                          r"context \(1024 tokens\)"):
         build("--max-model-len", "4096")
 

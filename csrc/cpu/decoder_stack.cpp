@@ -122,7 +122,8 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
                  const at::Tensor& cu_q_lens, const at::Tensor& context_lens,
                  const at::Tensor& block_table, const at::Tensor& slot_mapping,
                  const std::optional<at::Tensor>& rotary_cos,
-                 const std::optional<at::Tensor>& rotary_sin, double eps) {
+                 const std::optional<at::Tensor>& rotary_sin, double eps, int64_t step_begin,
+                 int64_t step_end, bool add_residual) {
   const int64_t T = s.T, H = s.hidden, D = s.head_dim;
   const int64_t L = static_cast<int64_t>(layers.size());
   const int32_t* cu = cu_q_lens.data_ptr<int32_t>();
@@ -164,8 +165,23 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
     thread_local cpu::AttentionScratch scratch;
     scalar_t* my_normed = normed.data_ptr<scalar_t>() + tid * T * H;
     float* my_floats = floats.data_ptr<float>() + tid * T * widest;
-    for (int64_t l = 0; l < L; ++l) {
+    // Step 2l is layer l's attention half, 2l + 1 its MLP half; each ends in a linear whose
+    // epilogue adds the residual, or not (a tensor-parallel rank's partial sum).
+    scalar_t* residual = add_residual ? xp : nullptr;
+    for (int64_t step = step_begin; step < step_end; ++step) {
+      const int64_t l = step / 2;
       const DecoderStack::Layer& w = layers[l];
+      if (step % 2 == 1) {
+        normalize(xp, s, w.mlp_norm, w.mlp_norm_bias, eps, my_normed);
+        linear_share<scalar_t>(T, s.act, kernel_input(my_normed, T * H, my_floats), w.up,
+                               w.up_bias, nullptr, mid_p, s.inter, tid, team);
+#pragma omp barrier
+        linear_share<scalar_t>(T, Activation::kNone,
+                               kernel_input(mid_p, T * s.inter, my_floats), w.down, w.down_bias,
+                               residual, xp, H, tid, team);
+#pragma omp barrier
+        continue;
+      }
       normalize(xp, s, w.attn_norm, w.attn_norm_bias, eps, my_normed);
       linear_share<scalar_t>(T, Activation::kNone, kernel_input(my_normed, T * H, my_floats),
                              w.qkv, w.qkv_bias, nullptr, qkv_p, s.qkv_width, tid, team);
@@ -180,7 +196,8 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
       }
 #pragma omp barrier
       const cpu::AttentionArgs<scalar_t> args{
-          qkv_p, s.qkv_width, D, k_caches[l].data_ptr<scalar_t>(), v_caches[l].data_ptr<scalar_t>(),
+          qkv_p, s.qkv_width, D, k_caches[l].data_ptr<scalar_t>(),
+          v_caches[l].data_ptr<scalar_t>(),
           attn_p, cu, ctx, block_table.data_ptr<int32_t>(), as.max_blocks, as.block_size,
           s.num_heads, s.num_kv_heads, D, static_cast<float>(w.scale)};
       dispatch_head_dim(D, [&]<int kD>() {
@@ -197,14 +214,7 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
 #pragma omp barrier
       linear_share<scalar_t>(T, Activation::kNone,
                              kernel_input(attn_p, T * s.num_heads * D, my_floats), w.out,
-                             w.out_bias, xp, xp, H, tid, team);
-#pragma omp barrier
-      normalize(xp, s, w.mlp_norm, w.mlp_norm_bias, eps, my_normed);
-      linear_share<scalar_t>(T, s.act, kernel_input(my_normed, T * H, my_floats), w.up,
-                             w.up_bias, nullptr, mid_p, s.inter, tid, team);
-#pragma omp barrier
-      linear_share<scalar_t>(T, Activation::kNone, kernel_input(mid_p, T * s.inter, my_floats),
-                             w.down, w.down_bias, xp, xp, H, tid, team);
+                             w.out_bias, residual, xp, H, tid, team);
 #pragma omp barrier
     }
   }
@@ -323,12 +333,35 @@ void DecoderStack::add_layer(
   inter_ = inter;
 }
 
-at::Tensor DecoderStack::forward(const at::Tensor& x_in, const std::vector<at::Tensor>& k_caches,
+at::Tensor DecoderStack::forward(const at::Tensor& x, const std::vector<at::Tensor>& k_caches,
                                  const std::vector<at::Tensor>& v_caches,
                                  const at::Tensor& cu_q_lens, const at::Tensor& context_lens,
                                  const at::Tensor& block_table, const at::Tensor& slot_mapping,
                                  const std::optional<at::Tensor>& rotary_cos,
                                  const std::optional<at::Tensor>& rotary_sin) const {
+  return run(x, k_caches, v_caches, cu_q_lens, context_lens, block_table, slot_mapping,
+             rotary_cos, rotary_sin, 0, 2 * num_layers(), true);
+}
+
+at::Tensor DecoderStack::forward_partial(
+    const at::Tensor& x, const std::vector<at::Tensor>& k_caches,
+    const std::vector<at::Tensor>& v_caches, const at::Tensor& cu_q_lens,
+    const at::Tensor& context_lens, const at::Tensor& block_table,
+    const at::Tensor& slot_mapping, const std::optional<at::Tensor>& rotary_cos,
+    const std::optional<at::Tensor>& rotary_sin, int64_t step, bool add_residual) const {
+  TORCH_CHECK(step >= 0 && step < 2 * num_layers(), "step must be in [0, ", 2 * num_layers(),
+              ") (2 per layer: attention, then MLP), got ", step);
+  return run(x, k_caches, v_caches, cu_q_lens, context_lens, block_table, slot_mapping,
+             rotary_cos, rotary_sin, step, step + 1, add_residual);
+}
+
+at::Tensor DecoderStack::run(const at::Tensor& x_in, const std::vector<at::Tensor>& k_caches,
+                             const std::vector<at::Tensor>& v_caches,
+                             const at::Tensor& cu_q_lens, const at::Tensor& context_lens,
+                             const at::Tensor& block_table, const at::Tensor& slot_mapping,
+                             const std::optional<at::Tensor>& rotary_cos,
+                             const std::optional<at::Tensor>& rotary_sin, int64_t step_begin,
+                             int64_t step_end, bool add_residual) const {
   const int64_t L = num_layers();
   TORCH_CHECK(L > 0, "DecoderStack has no layers (add_layer first)");
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L &&
@@ -393,7 +426,8 @@ at::Tensor DecoderStack::forward(const at::Tensor& x_in, const std::vector<at::T
   };
   ORCA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "DecoderStack.forward", [&] {
     fused_stack<scalar_t>(x, s, layers_, k_caches, v_caches, cu, ctx, table, slots,
-                          contiguous(rotary_cos), contiguous(rotary_sin), norm_eps_);
+                          contiguous(rotary_cos), contiguous(rotary_sin), norm_eps_, step_begin,
+                          step_end, add_residual);
   });
   return x;
 }

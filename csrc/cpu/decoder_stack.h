@@ -45,10 +45,28 @@ class DecoderStack : public torch::CustomClassHolder {
                      const at::Tensor& slot_mapping, const std::optional<at::Tensor>& rotary_cos,
                      const std::optional<at::Tensor>& rotary_sin) const;
 
+  // One half of one layer for a tensor-parallel rank (step 2l: layer l's attention, 2l + 1:
+  // its MLP): returns x's new value without the all-reduce, so the residual is added by one
+  // rank only (add_residual); the caller sums the ranks' results before the next step.
+  at::Tensor forward_partial(const at::Tensor& x, const std::vector<at::Tensor>& k_caches,
+                             const std::vector<at::Tensor>& v_caches, const at::Tensor& cu_q_lens,
+                             const at::Tensor& context_lens, const at::Tensor& block_table,
+                             const at::Tensor& slot_mapping,
+                             const std::optional<at::Tensor>& rotary_cos,
+                             const std::optional<at::Tensor>& rotary_sin, int64_t step,
+                             bool add_residual) const;
+
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   int64_t max_tokens() const;
 
  private:
+  at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& k_caches,
+                 const std::vector<at::Tensor>& v_caches, const at::Tensor& cu_q_lens,
+                 const at::Tensor& context_lens, const at::Tensor& block_table,
+                 const at::Tensor& slot_mapping, const std::optional<at::Tensor>& rotary_cos,
+                 const std::optional<at::Tensor>& rotary_sin, int64_t step_begin,
+                 int64_t step_end, bool add_residual) const;
+
   NormKind norm_;
   double norm_eps_;
   Activation act_;

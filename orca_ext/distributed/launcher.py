@@ -66,10 +66,11 @@ class WorkerProcesses:
         finally:
             self._started.set()
         while len(self.returncodes) < len(self.procs):
-            for rank, proc in self.procs.items():
-                code = proc.poll()
-                if code is None or rank in self.returncodes:
-                    continue
+            exited = {rank: code for rank, proc in self.procs.items()
+                      if rank not in self.returncodes and (code := proc.poll()) is not None}
+            # A worker killed by a signal first: its peers' errors on the broken connections
+            # follow from it, and may be seen in the same round.
+            for rank, code in sorted(exited.items(), key=lambda item: (item[1] >= 0, item[0])):
                 self.returncodes[rank] = code
                 if self.on_exit is not None and not self.expect_exit:
                     self.on_exit(rank, code)

@@ -4,7 +4,8 @@ The model files stay the readable reference (one module per block, each op a cal
 hands the same parameters to the C++ stack once, which checks them and keeps them laid out for
 decode steps: up to ``DecoderStack.max_tokens()`` tokens, the whole stack runs in one parallel
 region per step instead of ~10 op dispatches and fork-joins per layer, with the per-op blocks'
-results bit for bit.
+results bit for bit. A tensor-parallel rank's stack runs one half-layer at a time
+(``forward_partial``), all-reducing its partial sums in between as the row-parallel linears do.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from .. import _C  # noqa: F401  (loads the library that registers torch.classes.orca)
+from ..distributed.tensor_parallel import RowParallelLinear, TPGroup
 from ..kv import KVCache
 from ..model.gpt2 import GPT2, GPT2Block
 from ..model.layers import AttentionMetadata, LayerNorm, Linear, RMSNorm
@@ -40,14 +42,24 @@ def unsupported_reason(model: nn.Module) -> str | None:
     if device.type != "cpu":
         return f"DecoderStack runs on the CPU; the weights are on {device}"
     parts = [_block_parts(b) for b in model.layers]
-    if any(type(lin) is not Linear for p in parts for lin in (p[1], p[2], p[4], p[5])):
-        return "its linear layers are tensor-parallel (they all-reduce between ops)"
+    if any(type(lin) is not Linear for p in parts for lin in (p[1], p[4])):
+        return f"{name}'s qkv or MLP up linears are not plain Linear layers"
+    row_types = {type(lin) for p in parts for lin in (p[2], p[5])}
+    if row_types not in ({Linear}, {RowParallelLinear}):
+        return f"{name}'s output linears are not all plain or all row-parallel"
     return None
+
+
+def tp_group(model: nn.Module) -> TPGroup | None:
+    """The tensor-parallel group of a model whose blocks ``unsupported_reason`` accepts."""
+    out = model.layers[0].attn.out
+    return out.group if isinstance(out, RowParallelLinear) else None
 
 
 def build_decoder_stack(model: nn.Module) -> torch.ScriptObject:
     """``model``'s blocks as a DecoderStack (check ``unsupported_reason`` first); the stack keeps
-    references to the parameters, not copies."""
+    references to the parameters, not copies (on a tensor-parallel rank: its shards, and the
+    row-parallel biases on rank 0 only, as the row-parallel linears add them)."""
     reason = unsupported_reason(model)
     if reason is not None:
         raise ValueError(f"no DecoderStack for this model: {reason}")
@@ -66,10 +78,16 @@ def build_decoder_stack(model: nn.Module) -> torch.ScriptObject:
 
 
 def stack_forward(model: nn.Module, stack: torch.ScriptObject, input_ids: torch.Tensor,
-                  positions: torch.Tensor, kv_cache: KVCache,
-                  meta: AttentionMetadata) -> torch.Tensor:
-    """``model(input_ids, positions, kv_cache, meta)`` with the blocks run by ``stack``."""
+                  positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                  group: TPGroup | None = None) -> torch.Tensor:
+    """``model(input_ids, positions, kv_cache, meta)`` with the blocks run by ``stack`` (on a
+    tensor-parallel rank of ``group``: half-layer by half-layer, each sum all-reduced)."""
     x, rotary = model.embed_inputs(input_ids, positions)
-    cos, sin = (None, None) if rotary is None else (t.flatten(1) for t in rotary)
-    return stack.forward(x, kv_cache.keys, kv_cache.values, meta.cu_q_lens, meta.context_lens,
-                         meta.block_table, meta.slot_mapping, cos, sin)
+    cos, sin = (None, None) if rotary is None else tuple(t.flatten(1) for t in rotary)
+    args = (kv_cache.keys, kv_cache.values, meta.cu_q_lens, meta.context_lens, meta.block_table,
+            meta.slot_mapping, cos, sin)
+    if group is None:
+        return stack.forward(x, *args)
+    for step in range(2 * stack.num_layers()):
+        x = group.all_reduce(stack.forward_partial(x, *args, step, group.index == 0))
+    return x

@@ -11,7 +11,7 @@ from ..kv import KVCache
 from ..model.layers import AttentionMetadata
 from ..sampling import Sampler
 from .cuda_graphs import DecodeGraphs, PinnedUpload, cuda_graphs_enabled
-from .decoder_stack import build_decoder_stack, stack_forward, unsupported_reason
+from .decoder_stack import build_decoder_stack, stack_forward, tp_group, unsupported_reason
 from .inputs import InputBatch, StepInputs
 
 _log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         self.device = kv_cache.device
         self.inputs = InputBatch(kv_cache.block_size)
-        self.stack, self.stack_max_tokens = None, 0
+        self.stack, self.stack_max_tokens, self.tp_group = None, 0, None
         self.upload = self.graphs = None
         name = type(model).__name__
         if self.device.type == "cpu":
@@ -49,9 +49,13 @@ class ModelRunner:
             if reason is None:
                 self.stack = build_decoder_stack(model)
                 self.stack_max_tokens = self.stack.max_tokens()
-                _log.info("steps of up to %d tokens run %s's %d blocks as one DecoderStack; "
-                          "larger ones its own forward", self.stack_max_tokens, name,
-                          self.stack.num_layers())
+                self.tp_group = tp_group(model)
+                how = ("one DecoderStack" if self.tp_group is None else
+                       f"a DecoderStack, all-reducing across {self.tp_group.size} "
+                       "tensor-parallel ranks after each half-layer")
+                _log.info("steps of up to %d tokens run %s's %d blocks as %s; larger ones its "
+                          "own forward", self.stack_max_tokens, name, self.stack.num_layers(),
+                          how)
             else:
                 _log.info("every step runs %s's own forward (no DecoderStack: %s)", name, reason)
         elif self.device.type == "cuda":
@@ -91,7 +95,7 @@ class ModelRunner:
         """Hidden states ``[T, hidden]`` after the model's (or this stage's) blocks."""
         if self.stack is not None and inputs.num_tokens <= self.stack_max_tokens:
             return stack_forward(self.model, self.stack, inputs.input_ids, inputs.positions,
-                                 self.kv_cache, inputs.meta)
+                                 self.kv_cache, inputs.meta, self.tp_group)
         return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
 
     def logits(self, inputs: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
