@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "kv/slot_allocator.h"
+#include "orca/cpu/quant_linear.h"
 
 namespace py = pybind11;
 using orca::kv::SlotAllocator;
@@ -99,6 +100,13 @@ PYBIND11_MODULE(_C, m) {
       .def("build_metadata", &build_metadata, py::arg("request_ids"), py::arg("num_computed"),
            py::arg("num_new"),
            "(cu_q_lens, context_lens, block_table, slot_mapping, positions) for one iteration");
+  m.def("quant_isas", [] {
+        std::vector<std::string> names;
+        for (const auto& [name, isa] : orca::cpu::quant::kIsaNames) {
+          if (orca::cpu::quant::isa_supported(isa)) names.emplace_back(name);
+        }
+        return names;
+      }, "The paths of quantized_linear's kernels this CPU runs, by their ORCA_QUANT_ISA names");
   m.def("argmax_rows", &argmax_rows, py::arg("logits"),
         "Each row's argmax of float32 CPU logits [rows, vocab] (as torch.argmax), as a list");
 }

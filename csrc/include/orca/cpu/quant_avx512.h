@@ -1,0 +1,60 @@
+// The quantized linear's AVX-512 path (16-float vectors, AVX-512 F/BW/VL, FMA, F16C), compiled
+// through a target pragma so that a baseline build carries it and picks it at run time.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "orca/cpu/quant_formats.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+
+namespace orca::cpu::quant::avx512 {
+
+struct Vec {
+  using V = __m512;
+  static constexpr int kWidth = 16;
+  static constexpr int kChainTarget = 8;
+  // 32 registers: four rows side by side up to two tokens, two rows up to eight.
+  static constexpr int rows_for(int kT) { return kT <= 2 ? 4 : 2; }
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static float hsum(V v) { return _mm512_reduce_add_ps(v); }
+
+  template <Format F>
+  static void dequant(const uint8_t* block, V (&w)[2]) {
+    const V d = _mm512_set1_ps(_cvtsh_ss(load_u16(block)));
+    const uint8_t* qs = block + quants_offset(F);
+    if constexpr (F == Format::kQ8_0) {
+      for (int c = 0; c < 2; ++c) {
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * c));
+        w[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
+      }
+    } else {
+      // The 16 bytes widened to 16 int32 lanes: their low nibbles are weights 0-15, their
+      // high nibbles 16-31.
+      const __m512i q =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+      const __m512i lo = _mm512_and_si512(q, _mm512_set1_epi32(15));
+      const __m512i hi = _mm512_srli_epi32(q, 4);
+      // q4_0 subtracts 8 from each nibble; q4_1 adds its fp16 offset m.
+      const V m = F == Format::kQ4_1 ? _mm512_set1_ps(_cvtsh_ss(load_u16(block + 2)))
+                                     : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+      w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, m);
+      w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d, m);
+    }
+  }
+};
+
+#include "orca/cpu/quant_kernel.h"
+
+}  // namespace orca::cpu::quant::avx512
+
+#pragma GCC pop_options
