@@ -1,7 +1,8 @@
 // quantized_linear on CPU: y = act(norm(x) @ W^T + b) + residual, W held as GGUF q8_0 / q4_0 /
 // q4_1 blocks (orca/cpu/quant_formats.h), with packed_linear's epilogue.
-// Up to kDotMaxT tokens each weight row's blocks are read once per call and dequantized in
-// registers for all tokens (orca/cpu/quant_kernel.h), kSkinnyBlock output columns per task.
+// Up to kDotMaxT tokens each weight row's blocks are read from memory once per call and
+// dequantized in registers for up to 8 tokens at a time (orca/cpu/quant_kernel.h), in blocks of
+// kSkinnyBlock output columns (a further 8 tokens re-read the block from L1).
 // Beyond, each task dequantizes a cache-sized panel of weight rows (float32, or bfloat16 for
 // bfloat16 x) and runs one GEMM of all tokens against it (at::mm: MKL / oneDNN), then the
 // epilogue on the panel's output columns while they are in cache.
@@ -25,7 +26,7 @@ using cpu::quant::Isa;
 
 namespace {
 
-constexpr int64_t kDotMaxT = cpu::quant::kMaxDotTokens;
+constexpr int64_t kDotMaxT = 2 * cpu::quant::kMaxDotTokens;
 constexpr int64_t kPanelBytes = 512 * 1024;  // per thread: a dequantized panel, within L2
 
 Format parse_format(c10::string_view name) {
@@ -122,9 +123,12 @@ void dot_linear(Isa isa, Format fmt, const float* x, int64_t T, int64_t K, const
     float y[2][kDotMaxT * B];
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n0 = blk * B, cols = std::min(B, N - n0);
-      cpu::quant::dot_rows(isa, fmt, x, T, K, w + n0 * row_bytes, cols, y[0], B);
-      if (half) {
-        cpu::quant::dot_rows(isa, fmt, x, T, K, w + (half + n0) * row_bytes, cols, y[1], B);
+      for (int64_t part = 0; part < (half ? 2 : 1); ++part) {
+        const uint8_t* rows = w + (part * half + n0) * row_bytes;
+        for (int64_t t0 = 0; t0 < T; t0 += cpu::quant::kMaxDotTokens) {
+          cpu::quant::dot_rows(isa, fmt, x + t0 * K, std::min(cpu::quant::kMaxDotTokens, T - t0),
+                               K, rows, cols, y[part] + t0 * B, B);
+        }
       }
       epilogue<act, float, scalar_t>(y[0], half ? y[1] : nullptr, B, T, cols,
                                      bias ? bias + n0 : nullptr,

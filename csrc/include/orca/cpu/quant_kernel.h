@@ -31,9 +31,12 @@ inline void dot_row_group(const float* x, int64_t K, const uint8_t* w, int64_t r
       __builtin_prefetch(block + kRows * row_bytes, 0, 3);
       Vec::template dequant<F>(block, wv[r]);
     }
+#pragma GCC unroll 32
     for (int c = 0; c < kVec; ++c) {
+#pragma GCC unroll 8
       for (int t = 0; t < kT; ++t) {
         const V xv = Vec::load(x + t * K + b * kBlockSize + c * Vec::kWidth);
+#pragma GCC unroll 4
         for (int r = 0; r < kRows; ++r) {
           acc[r][t][c % kChains] = Vec::fmadd(wv[r][c], xv, acc[r][t][c % kChains]);
         }
