@@ -27,9 +27,9 @@ DTYPES = [torch.float32, torch.bfloat16]
 # packed_linear's bfloat16 GEMM path), as packed_linear's bfloat16 tolerance allows at outputs
 # and activation inputs of order 1.
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
-# 1-16 tokens: the dot kernels (8 at a time, so 9 and 16 take two passes); 17 and more the
-# dequantized panels and a GEMM (600: several panels per thread).
-TOKENS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 600]
+# Up to 24 tokens (float32; bfloat16: 16) the dot kernels, 8 tokens at a time (9, 16, 17 and 24
+# take two and three passes); more, the dequantized panels and a GEMM (600: several panels).
+TOKENS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 25, 64, 600]
 # K: one block, and 3, 9, 18 blocks (none a multiple of 256); N odd: partial row groups and a
 # partial last block of output columns.
 SHAPES = [(32, 7), (96, 33), (288, 129), (576, 33)]
@@ -77,7 +77,7 @@ EPILOGUES = [("none", True, False, "none"), ("gelu_tanh", True, False, "none"),
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T", [1, 5, 9, 17, 64])
+@pytest.mark.parametrize("T", [1, 5, 9, 17, 25, 64])
 @pytest.mark.parametrize("activation,with_bias,with_residual,norm", EPILOGUES)
 def test_quantized_linear_epilogue(isa, fmt, dtype, T, activation, with_bias, with_residual,
                                    norm):
@@ -127,7 +127,7 @@ def hand_made_blocks(fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("T", [1, 20])  # the dot kernels and the panels
+@pytest.mark.parametrize("T", [1, 30])  # the dot kernels and the panels
 def test_block_layout(isa, fmt, T):
     """Against the format's definition itself: small integer x, so that every sum is exact."""
     q, w = hand_made_blocks(fmt)
@@ -155,7 +155,7 @@ def test_empty():
 
 def test_opcheck():
     q, _ = quantized("q4_0", 96, 66)
-    for T in (3, 20):  # the dot kernels and the panels
+    for T in (3, 30):  # the dot kernels and the panels
         for dtype in DTYPES:
             x, b = torch.randn(T, 96).to(dtype), torch.randn(66).to(dtype)
             r, gamma = torch.randn(T, 33).to(dtype), torch.randn(96).to(dtype)

@@ -1,6 +1,6 @@
 // quantized_linear on CPU: y = act(norm(x) @ W^T + b) + residual, W held as GGUF q8_0 / q4_0 /
 // q4_1 blocks (orca/cpu/quant_formats.h), with packed_linear's epilogue.
-// Up to kDotMaxT tokens each weight row's blocks are read from memory once per call and
+// Up to 24 tokens (16 for bfloat16 x) each weight row's blocks are read from memory once and
 // dequantized in registers for up to 8 tokens at a time (orca/cpu/quant_kernel.h), in blocks of
 // kSkinnyBlock output columns (a further 8 tokens re-read the block from L1).
 // Beyond, each task dequantizes a cache-sized panel of weight rows (float32, or bfloat16 for
@@ -26,8 +26,11 @@ using cpu::quant::Isa;
 
 namespace {
 
-constexpr int64_t kDotMaxT = 2 * cpu::quant::kMaxDotTokens;
-constexpr int64_t kPanelBytes = 512 * 1024;  // per thread: a dequantized panel, within L2
+// The most tokens the dot kernels take, per dtype of x: where they stopped beating the panels'
+// GEMM at SmolLM2-135M's shapes (bfloat16's GEMM, on AMX where the CPU has it, wins sooner).
+constexpr int64_t kDotMaxTFloat = 24, kDotMaxTBf16 = 16;
+constexpr int64_t kDotMaxT = std::max(kDotMaxTFloat, kDotMaxTBf16);
+constexpr int64_t kPanelBytes = 1024 * 1024;  // per thread: a dequantized panel, half an L2
 
 Format parse_format(c10::string_view name) {
   if (name == "q8_0") return Format::kQ8_0;
@@ -148,12 +151,13 @@ void panel_linear(Isa isa, Format fmt, const at::Tensor& x, const uint8_t* w,
   const int64_t row_bytes = K / cpu::quant::kBlockSize * cpu::quant::block_bytes(fmt);
   const int64_t parts = act == Activation::kSiluAndMul ? 2 : 1;
   const int64_t half = parts == 2 ? N : 0;  // offset of the up rows
-  // Panels of kPanelBytes (rows a multiple of 16), at least two per thread and a multiple of
+  // Panels of up to kPanelBytes (rows a multiple of 16), one GEMM call each (fewer, larger
+  // calls ran faster, oneDNN's bfloat16 ones most), at least one per thread and a multiple of
   // the threads, so that no core idles on the last one.
   const int64_t threads = at::get_num_threads();
   const int64_t panel_rows =
       std::max<int64_t>(16, kPanelBytes / (parts * std::max<int64_t>(K, 1) * x.element_size()));
-  int64_t panels = std::max(ceil_div(N, panel_rows), std::min(2 * threads, ceil_div(N, 16)));
+  int64_t panels = std::max(ceil_div(N, panel_rows), std::min(threads, ceil_div(N, 16)));
   if (panels > threads) panels = ceil_div(panels, threads) * threads;
   const int64_t rows_per_panel = ceil_div(ceil_div(N, panels), 16) * 16;
   panels = ceil_div(N, rows_per_panel);
@@ -213,7 +217,7 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
   const auto run = [&]<typename scalar_t, Activation a>() {
     const scalar_t* bias_ptr = bias_in ? bias.data_ptr<scalar_t>() : nullptr;
     const scalar_t* res_ptr = residual_in ? residual.data_ptr<scalar_t>() : nullptr;
-    if (T <= kDotMaxT) {
+    if (T <= (std::is_same_v<scalar_t, float> ? kDotMaxTFloat : kDotMaxTBf16)) {
       const at::Tensor x_float = x.to(at::kFloat);
       return dot_linear<scalar_t, a>(isa, fmt, x_float.data_ptr<float>(), T, K, w, bias_ptr,
                                      res_ptr, out.data_ptr<scalar_t>(), n_out);

@@ -24,13 +24,29 @@ struct Vec {
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  // float_to_bf16 on 16 lanes: the bits plus 0x7fff plus the kept lowest bit, shifted down;
+  // NaN lanes become the quiet NaN 0x7fc0.
+  static void store_bf16(uint16_t* p, V v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i bf = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd,
+                                                    _mm512_set1_epi32(0x7fff))), 16);
+    bf = _mm512_mask_mov_epi32(bf, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                               _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf));
+  }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float hsum(V v) { return _mm512_reduce_add_ps(v); }
+  // The fp16 at p in all lanes: broadcast as fp16, then widened (fewer uops than widening one
+  // lane and broadcasting the float).
+  static V broadcast_half(const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(load_u16(p))));
+  }
 
   template <Format F>
   static void dequant(const uint8_t* block, V (&w)[2]) {
-    const V d = _mm512_set1_ps(_cvtsh_ss(load_u16(block)));
+    const V d = broadcast_half(block);
     const uint8_t* qs = block + quants_offset(F);
     if constexpr (F == Format::kQ8_0) {
       for (int c = 0; c < 2; ++c) {
@@ -45,7 +61,7 @@ struct Vec {
       const __m512i lo = _mm512_and_si512(q, _mm512_set1_epi32(15));
       const __m512i hi = _mm512_srli_epi32(q, 4);
       // q4_0 subtracts 8 from each nibble; q4_1 adds its fp16 offset m.
-      const V m = F == Format::kQ4_1 ? _mm512_set1_ps(_cvtsh_ss(load_u16(block + 2)))
+      const V m = F == Format::kQ4_1 ? broadcast_half(block + 2)
                                      : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
       w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, m);
       w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d, m);

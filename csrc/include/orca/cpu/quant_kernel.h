@@ -2,7 +2,8 @@
 // (quant_portable.h, quant_avx2.h, quant_avx512.h) includes this file inside its own namespace
 // and target region, after defining there a struct Vec with
 //   V, kWidth (floats per V), kChainTarget (independent FMA chains that cover its latency),
-//   rows_for(kT) (weight rows walked side by side), zero, load, store, add, fmadd, hsum, and
+//   rows_for(kT) (weight rows walked side by side), zero, load, store, store_bf16 (rounded to
+//   nearest even, as float_to_bf16), add, fmadd, hsum, and
 //   dequant<Format>(block, V (&w)[32 / kWidth]) (a block's 32 weights as float32 vectors).
 // Deliberately without an include guard: one copy per ISA namespace.
 
@@ -75,12 +76,12 @@ void dequantize_rows(const uint8_t* w, int64_t K, int64_t rows, out_t* out) {
   for (int64_t b = 0; b < blocks; ++b) {
     typename Vec::V wv[kVec];
     Vec::template dequant<F>(w + b * block_bytes(F), wv);
-    if constexpr (std::is_same_v<out_t, float>) {
-      for (int c = 0; c < kVec; ++c) Vec::store(out + b * kBlockSize + c * Vec::kWidth, wv[c]);
-    } else {
-      float values[kBlockSize];
-      for (int c = 0; c < kVec; ++c) Vec::store(values + c * Vec::kWidth, wv[c]);
-      for (int j = 0; j < kBlockSize; ++j) out[b * kBlockSize + j] = float_to_bf16(values[j]);
+    for (int c = 0; c < kVec; ++c) {
+      if constexpr (std::is_same_v<out_t, float>) {
+        Vec::store(out + b * kBlockSize + c * Vec::kWidth, wv[c]);
+      } else {
+        Vec::store_bf16(out + b * kBlockSize + c * Vec::kWidth, wv[c]);
+      }
     }
   }
 }

@@ -18,6 +18,7 @@ struct Vec {
   static V zero() { return 0.f; }
   static V load(const float* p) { return *p; }
   static void store(float* p, V v) { *p = v; }
+  static void store_bf16(uint16_t* p, V v) { *p = float_to_bf16(v); }
   static V add(V a, V b) { return a + b; }
   static V fmadd(V a, V b, V c) { return a * b + c; }
   static float hsum(V v) { return v; }
