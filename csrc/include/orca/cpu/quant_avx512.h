@@ -54,17 +54,18 @@ struct Vec {
         w[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
       }
     } else {
-      // The 16 bytes widened to 16 int32 lanes: their low nibbles are weights 0-15, their
-      // high nibbles 16-31.
+      // The block's 16 possible weights in a table (q4_0: (j - 8) d, q4_1: j d + m, both exact
+      // as gguf computes them), looked up by vpermps, which reads only an index's low 4 bits:
+      // the 16 bytes widened to int32 lanes index their low nibbles (weights 0-15) as they are
+      // and their high nibbles (16-31) shifted down.
+      const V iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const V table = F == Format::kQ4_1
+                          ? _mm512_fmadd_ps(iota, d, broadcast_half(block + 2))
+                          : _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.f)), d);
       const __m512i q =
           _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-      const __m512i lo = _mm512_and_si512(q, _mm512_set1_epi32(15));
-      const __m512i hi = _mm512_srli_epi32(q, 4);
-      // q4_0 subtracts 8 from each nibble; q4_1 adds its fp16 offset m.
-      const V m = F == Format::kQ4_1 ? broadcast_half(block + 2)
-                                     : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
-      w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, m);
-      w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d, m);
+      w[0] = _mm512_permutexvar_ps(q, table);
+      w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
     }
   }
 };
