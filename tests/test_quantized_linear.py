@@ -151,6 +151,22 @@ def test_empty():
     assert ops.quantized_linear(torch.randn(0, 96), q, "q4_1", 96).shape == (0, 33)
     no_rows = torch.zeros(0, q.shape[1], dtype=torch.uint8)
     assert ops.quantized_linear(torch.randn(4, 96), no_rows, "q4_1", 96).shape == (4, 0)
+    no_columns = torch.zeros(6, 0, dtype=torch.uint8)
+    for T in (4, 40):  # an empty sum: the bias alone
+        out = ops.quantized_linear(torch.randn(T, 0), no_columns, "q4_1", 0, torch.ones(6))
+        assert torch.equal(out, torch.ones(T, 6))
+
+
+def test_inference_mode():
+    """The panels' worker threads write their buffers under the caller's inference mode."""
+    q, w = quantized("q4_0", 96, 129)
+    for T in (3, 600):
+        for dtype in DTYPES:
+            x = torch.randn(T, 96).to(dtype)
+            with torch.inference_mode():
+                out = ops.quantized_linear(x, q, "q4_0", 96, None, "gelu_tanh")
+            assert out.is_inference()
+            assert_close(out, ref.packed_linear(x, w, None, "gelu_tanh"), dtype)
 
 
 def test_opcheck():
