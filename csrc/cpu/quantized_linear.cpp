@@ -122,8 +122,7 @@ void dot_linear(Isa isa, Format fmt, const float* x, int64_t T, int64_t K, const
   constexpr int64_t B = kSkinnyBlock;
   const int64_t row_bytes = K / cpu::quant::kBlockSize * cpu::quant::block_bytes(fmt);
   const int64_t half = act == Activation::kSiluAndMul ? N : 0;  // offset of the up rows
-  const int64_t grain = skinny_grain(std::max(K, cpu::quant::kBlockSize), act);  // K may be 0
-  at::parallel_for(0, ceil_div(N, B), grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, ceil_div(N, B), skinny_grain(K, act), [&](int64_t begin, int64_t end) {
     float y[2][kDotMaxT * B];
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n0 = blk * B, cols = std::min(B, N - n0);

@@ -175,9 +175,11 @@ void dispatch_skinny(int64_t T, Activation act, const F& f) {
   });
 }
 
-// The fewest blocks worth a thread of their own, for weights of K columns.
+// The fewest blocks worth a thread of their own, for weights of K columns (K = 0, an empty
+// product, counts as 1).
 inline int64_t skinny_grain(int64_t K, Activation act) {
-  return ceil_div(kMinParallelWeights, kSkinnyBlock * K * (act == Activation::kSiluAndMul ? 2 : 1));
+  return ceil_div(kMinParallelWeights, kSkinnyBlock * std::max<int64_t>(K, 1) *
+                                           (act == Activation::kSiluAndMul ? 2 : 1));
 }
 
 }  // namespace orca
