@@ -2,7 +2,7 @@
 // q4_1 blocks (orca/cpu/quant_formats.h), with packed_linear's epilogue.
 // Up to 24 tokens (16 for bfloat16 x) each weight row's blocks are read from memory once and
 // dequantized in registers for up to 8 tokens at a time (orca/cpu/quant_kernel.h), in blocks of
-// kSkinnyBlock output columns (a further 8 tokens re-read the block from L1).
+// kSkinnyBlock output columns (a further 8 tokens re-read the block from cache).
 // Beyond, each task dequantizes a cache-sized panel of weight rows (float32, or bfloat16 for
 // bfloat16 x) and runs one GEMM of all tokens against it (at::mm: MKL / oneDNN), then the
 // epilogue on the panel's output columns while they are in cache.
