@@ -48,6 +48,7 @@ void dispatch_tokens(int64_t T, const Fn& f) {
 }  // namespace
 
 bool isa_supported(Isa isa) {
+  __builtin_cpu_init();  // idempotent: the feature bits are valid even before libgcc set them
   switch (isa) {
     case Isa::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
