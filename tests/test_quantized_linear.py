@@ -16,7 +16,8 @@ from orca_ext import _C, ops
 from orca_ext.quantize import dequantize_weight, quantize_weight
 
 FORMATS = ["q8_0", "q4_0", "q4_1"]
-ISAS = ["portable", "avx2", "avx512"]
+ISAS = ["portable", "avx2", "avx512", "avx512_vnni"]
+INT8_MAX_T = 2  # up to this many tokens avx512_vnni rounds the activations to int8 blocks
 DTYPES = [torch.float32, torch.bfloat16]
 # float32: the kernels sum K <= 576 float32 products in another order than the float64
 # reference, an error of order sqrt(K) * 2**-24 of the sum of |terms| (~1e-6 here), and the
@@ -52,6 +53,27 @@ def quantized(fmt: str, K: int, N: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q, dequantize_weight(q, fmt, K)
 
 
+def int8_rounded(rows: torch.Tensor) -> torch.Tensor:
+    """float64 ``rows [T, K]`` as the avx512_vnni path rounds them (llama.cpp's q8_0 activations):
+    each block of 32 to int8 multiples of ``dx = max |x| / 127``, in float32, nearest even."""
+    x = rows.float().reshape(rows.shape[0], -1, 32)
+    dx = x.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    return (torch.round(x * inverse).double() * dx.double()).reshape(rows.shape)
+
+
+def kernel_rows(rows: torch.Tensor, isa: str) -> torch.Tensor:
+    """The activations the kernels multiply: int8-rounded where avx512_vnni does so."""
+    return int8_rounded(rows) if isa == "avx512_vnni" and rows.shape[0] <= INT8_MAX_T else rows
+
+
+def normed_rows(x: torch.Tensor, norm: str, gamma, beta, eps: float) -> torch.Tensor:
+    """x's rows normalized as the op normalizes them (in x's dtype): packed_linear's shared norm
+    against the identity, which adds each element to zeros only."""
+    eye = torch.eye(x.shape[1], dtype=x.dtype)
+    return ops.packed_linear(x, eye, None, "none", None, norm, gamma, beta, eps)
+
+
 def assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     assert out.dtype == dtype and out.shape == expected.shape
     torch.testing.assert_close(out.double(), expected, atol=TOL[dtype], rtol=TOL[dtype])
@@ -64,7 +86,26 @@ def assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) 
 def test_quantized_linear(isa, fmt, dtype, T, K, N):
     q, w = quantized(fmt, K, N)
     x = torch.randn(T, K, generator=torch.Generator().manual_seed(T)).to(dtype)
-    assert_close(ops.quantized_linear(x, q, fmt, K), x.double() @ w.double().t(), dtype)
+    expected = kernel_rows(x.double(), isa) @ w.double().t()
+    assert_close(ops.quantized_linear(x, q, fmt, K), expected, dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("T", [1, 2])
+def test_int8_activation_error(fmt, T, monkeypatch):
+    """avx512_vnni's one error beyond float32 accumulation: each activation rounded by at most
+    half its block's step dx, so an output moves by at most sum_k |w_k| dx_k / 2."""
+    if "avx512_vnni" not in _C.quant_isas():
+        pytest.skip("this CPU does not run the avx512_vnni path")
+    monkeypatch.setenv("ORCA_QUANT_ISA", "avx512_vnni")
+    K, N = 576, 129
+    q, w = quantized(fmt, K, N)
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(5))
+    dx = (x.reshape(T, -1, 32).abs().amax(-1, keepdim=True) / 127).expand(-1, -1, 32)
+    bound = (dx.reshape(T, K).double() / 2) @ w.double().abs().t()
+    error = (ops.quantized_linear(x, q, fmt, K).double() - x.double() @ w.double().t()).abs()
+    assert (error <= bound + TOL[torch.float32]).all()
+    assert error.max() > 10 * TOL[torch.float32]  # the activations are rounded indeed
 
 
 # (activation, bias, residual, norm): each epilogue piece, and all of them together.
@@ -93,14 +134,18 @@ def test_quantized_linear_epilogue(isa, fmt, dtype, T, activation, with_bias, wi
     kind = "layer_norm" if norm.startswith("layer_norm") else norm
     norm_args = () if norm == "none" else (kind, gamma, beta, 1e-5)
     out = ops.quantized_linear(x, q, fmt, K, b, activation, r, *norm_args)
-    rows = (x if norm == "none" else ref.rms_norm(x, gamma, 1e-5) if kind == "rms_norm"
-            else ref.layer_norm(x, gamma, beta, 1e-5))
+    if isa == "avx512_vnni" and T <= INT8_MAX_T:  # the op's own normalized rows, int8-rounded
+        rows = kernel_rows(x.double() if norm == "none" else normed_rows(x, *norm_args).double(),
+                           isa)
+    else:
+        rows = (x if norm == "none" else ref.rms_norm(x, gamma, 1e-5) if kind == "rms_norm"
+                else ref.layer_norm(x, gamma, beta, 1e-5))
     assert_close(out, ref.packed_linear(rows, w, b, activation, r), dtype)
 
 
 def test_default_isa_is_the_best_this_cpu_runs(monkeypatch):
     q, w = quantized("q4_0", 96, 33)
-    x = torch.randn(3, 96)
+    x = torch.randn(1, 96)
     monkeypatch.delenv("ORCA_QUANT_ISA", raising=False)
     default = ops.quantized_linear(x, q, "q4_0", 96)
     monkeypatch.setenv("ORCA_QUANT_ISA", _C.quant_isas()[-1])
@@ -129,9 +174,11 @@ def hand_made_blocks(fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("T", [1, 30])  # the dot kernels and the panels
 def test_block_layout(isa, fmt, T):
-    """Against the format's definition itself: small integer x, so that every sum is exact."""
+    """Against the format's definition itself: small integer x with 127 in each row (so that
+    int8 activations round nothing), so that every sum is exact."""
     q, w = hand_made_blocks(fmt)
     x = torch.randint(-3, 4, (T, 32), generator=torch.Generator().manual_seed(T)).float()
+    x[:, 5] = 127
     torch.testing.assert_close(ops.quantized_linear(x, q, fmt, 32), x @ w.t(), atol=0, rtol=0)
     torch.testing.assert_close(dequantize_weight(q, fmt, 32), w, atol=0, rtol=0)
 
@@ -171,7 +218,7 @@ def test_inference_mode():
 
 def test_opcheck():
     q, _ = quantized("q4_0", 96, 66)
-    for T in (3, 30):  # the dot kernels and the panels
+    for T in (1, 3, 30):  # the dot kernels (int8 on avx512_vnni, float) and the panels
         for dtype in DTYPES:
             x, b = torch.randn(T, 96).to(dtype), torch.randn(66).to(dtype)
             r, gamma = torch.randn(T, 33).to(dtype), torch.randn(96).to(dtype)
@@ -225,7 +272,7 @@ def test_forced_isa_errors(monkeypatch):
     q, _ = quantized("q8_0", 32, 7)
     monkeypatch.setenv("ORCA_QUANT_ISA", "sse9")
     with pytest.raises(RuntimeError, match="ORCA_QUANT_ISA must be one of 'portable', 'avx2', "
-                                           "'avx512', got 'sse9'"):
+                                           "'avx512', 'avx512_vnni', got 'sse9'"):
         ops.quantized_linear(torch.randn(2, 32), q, "q8_0", 32)
     missing = [name for name in ISAS if name not in _C.quant_isas()]
     for name in missing:

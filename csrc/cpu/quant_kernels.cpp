@@ -16,6 +16,7 @@
 #include "orca/cpu/quant_avx2.h"
 #include "orca/cpu/quant_avx512.h"
 #include "orca/cpu/quant_portable.h"
+#include "orca/cpu/quant_vnni.h"
 
 namespace orca::cpu::quant {
 namespace {
@@ -50,6 +51,8 @@ void dispatch_tokens(int64_t T, const Fn& f) {
 bool isa_supported(Isa isa) {
   __builtin_cpu_init();  // idempotent: the feature bits are valid even before libgcc set them
   switch (isa) {
+    case Isa::kAvx512Vnni:
+      return __builtin_cpu_supports("avx512vnni") && isa_supported(Isa::kAvx512);
     case Isa::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
@@ -63,7 +66,8 @@ bool isa_supported(Isa isa) {
 }
 
 Isa best_isa() {
-  static const Isa best = isa_supported(Isa::kAvx512) ? Isa::kAvx512
+  static const Isa best = isa_supported(Isa::kAvx512Vnni) ? Isa::kAvx512Vnni
+                          : isa_supported(Isa::kAvx512)   ? Isa::kAvx512
                           : isa_supported(Isa::kAvx2) ? Isa::kAvx2
                                                       : Isa::kPortable;
   return best;
@@ -74,11 +78,28 @@ void dot_rows(Isa isa, Format format, const float* x, int64_t T, int64_t K, cons
   dispatch_format(format, [&]<Format F>() {
     dispatch_tokens(T, [&]<int kT>() {
       switch (isa) {
-        case Isa::kAvx512: return avx512::dot_rows<F, kT>(x, K, w, rows, y, y_stride);
+        case Isa::kAvx512:
+        case Isa::kAvx512Vnni: return avx512::dot_rows<F, kT>(x, K, w, rows, y, y_stride);
         case Isa::kAvx2: return avx2::dot_rows<F, kT>(x, K, w, rows, y, y_stride);
         default: return portable::dot_rows<F, kT>(x, K, w, rows, y, y_stride);
       }
     });
+  });
+}
+
+int64_t int8_activation_bytes(int64_t T, int64_t K) {
+  return T * ((K / kBlockSize + 1) / 2) * static_cast<int64_t>(sizeof(vnni::BlockPair));
+}
+
+void quantize_activations(Format format, const float* x, int64_t T, int64_t K, void* x_int8) {
+  vnni::quantize_activations(format, x, T, K, static_cast<vnni::BlockPair*>(x_int8));
+}
+
+void dot_rows_int8(Format format, const void* x_int8, int64_t T, int64_t K, const uint8_t* w,
+                   int64_t rows, float* y, int64_t y_stride) {
+  const auto* x = static_cast<const vnni::BlockPair*>(x_int8);
+  dispatch_format(format, [&]<Format F>() {
+    dispatch_tokens(T, [&]<int kT>() { vnni::dot_rows<F, kT>(x, K, w, rows, y, y_stride); });
   });
 }
 
@@ -89,7 +110,8 @@ void dequantize_any(Isa isa, Format format, const uint8_t* w, int64_t K, int64_t
                     out_t* out) {
   dispatch_format(format, [&]<Format F>() {
     switch (isa) {
-      case Isa::kAvx512: return avx512::dequantize_rows<F>(w, K, rows, out);
+      case Isa::kAvx512:
+      case Isa::kAvx512Vnni: return avx512::dequantize_rows<F>(w, K, rows, out);
       case Isa::kAvx2: return avx2::dequantize_rows<F>(w, K, rows, out);
       default: return portable::dequantize_rows<F>(w, K, rows, out);
     }

@@ -6,7 +6,8 @@
 // Beyond, each task dequantizes a cache-sized panel of weight rows (float32, or bfloat16 for
 // bfloat16 x) and runs one GEMM of all tokens against it (at::mm: MKL / oneDNN), then the
 // epilogue on the panel's output columns while they are in cache.
-// The kernels' ISA (portable, avx2, avx512) is the best this CPU runs, or ORCA_QUANT_ISA's.
+// The kernels' ISA (portable, avx2, avx512, avx512_vnni: avx512 with int8 activations for up to
+// kInt8MaxT tokens) is the best this CPU runs, or ORCA_QUANT_ISA's.
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
@@ -30,6 +31,9 @@ namespace {
 // GEMM at SmolLM2-135M's shapes (bfloat16's GEMM, on AMX where the CPU has it, wins sooner).
 constexpr int64_t kDotMaxTFloat = 24, kDotMaxTBf16 = 16;
 constexpr int64_t kDotMaxT = std::max(kDotMaxTFloat, kDotMaxTBf16);
+// The most tokens kAvx512Vnni's int8 kernels take: they ran 1.1x-1.5x faster than the float
+// ones at one and two tokens and lost from four to eight (the per-block scaling is per token).
+constexpr int64_t kInt8MaxT = 2;
 constexpr int64_t kPanelBytes = 1024 * 1024;  // per thread: a dequantized panel, half an L2
 
 Format parse_format(c10::string_view name) {
@@ -50,8 +54,8 @@ Isa chosen_isa() {
                 " but this CPU does not support that path");
     return isa;
   }
-  TORCH_CHECK(false, "ORCA_QUANT_ISA must be one of 'portable', 'avx2', 'avx512', got '", forced,
-              "'");
+  TORCH_CHECK(false, "ORCA_QUANT_ISA must be one of 'portable', 'avx2', 'avx512', 'avx512_vnni', "
+              "got '", forced, "'");
 }
 
 struct QuantArgs {
@@ -115,11 +119,13 @@ QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& q
 }
 
 // Up to kDotMaxT tokens: blocks [begin, end) of kSkinnyBlock output columns, each block's dot
-// products (gate and up rows for silu_and_mul) then its epilogue.
+// products (gate and up rows for silu_and_mul) then its epilogue. x_int8: x rounded to int8
+// blocks for the kAvx512Vnni kernels, else null.
 template <typename scalar_t, Activation act>
-void dot_linear(Isa isa, Format fmt, const float* x, int64_t T, int64_t K, const uint8_t* w,
-                const scalar_t* bias, const scalar_t* residual, scalar_t* out, int64_t N) {
-  constexpr int64_t B = kSkinnyBlock;
+void dot_linear(Isa isa, Format fmt, const float* x, const uint8_t* x_int8, int64_t T,
+                int64_t K, const uint8_t* w, const scalar_t* bias, const scalar_t* residual,
+                scalar_t* out, int64_t N) {
+  constexpr int64_t B = kSkinnyBlock, kChunk = cpu::quant::kMaxDotTokens;
   const int64_t row_bytes = K / cpu::quant::kBlockSize * cpu::quant::block_bytes(fmt);
   const int64_t half = act == Activation::kSiluAndMul ? N : 0;  // offset of the up rows
   at::parallel_for(0, ceil_div(N, B), skinny_grain(K, act), [&](int64_t begin, int64_t end) {
@@ -128,9 +134,15 @@ void dot_linear(Isa isa, Format fmt, const float* x, int64_t T, int64_t K, const
       const int64_t n0 = blk * B, cols = std::min(B, N - n0);
       for (int64_t part = 0; part < (half ? 2 : 1); ++part) {
         const uint8_t* rows = w + (part * half + n0) * row_bytes;
-        for (int64_t t0 = 0; t0 < T; t0 += cpu::quant::kMaxDotTokens) {
-          cpu::quant::dot_rows(isa, fmt, x + t0 * K, std::min(cpu::quant::kMaxDotTokens, T - t0),
-                               K, rows, cols, y[part] + t0 * B, B);
+        for (int64_t t0 = 0; t0 < T; t0 += kChunk) {
+          const int64_t tokens = std::min(kChunk, T - t0);
+          if (x_int8) {
+            cpu::quant::dot_rows_int8(fmt, x_int8 + cpu::quant::int8_activation_bytes(t0, K),
+                                      tokens, K, rows, cols, y[part] + t0 * B, B);
+          } else {
+            cpu::quant::dot_rows(isa, fmt, x + t0 * K, tokens, K, rows, cols, y[part] + t0 * B,
+                                 B);
+          }
         }
       }
       epilogue<act, float, scalar_t>(y[0], half ? y[1] : nullptr, B, T, cols,
@@ -218,9 +230,16 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
     const scalar_t* bias_ptr = bias_in ? bias.data_ptr<scalar_t>() : nullptr;
     const scalar_t* res_ptr = residual_in ? residual.data_ptr<scalar_t>() : nullptr;
     if (T <= (std::is_same_v<scalar_t, float> ? kDotMaxTFloat : kDotMaxTBf16)) {
-      const at::Tensor x_float = x.to(at::kFloat);
-      return dot_linear<scalar_t, a>(isa, fmt, x_float.data_ptr<float>(), T, K, w, bias_ptr,
-                                     res_ptr, out.data_ptr<scalar_t>(), n_out);
+      const at::Tensor x_float = x.to(at::kFloat).contiguous();
+      at::Tensor x_int8;
+      if (isa == Isa::kAvx512Vnni && T <= kInt8MaxT) {
+        x_int8 = at::empty({cpu::quant::int8_activation_bytes(T, K)}, x.options().dtype(at::kByte));
+        cpu::quant::quantize_activations(fmt, x_float.data_ptr<float>(), T, K,
+                                         x_int8.data_ptr());
+      }
+      return dot_linear<scalar_t, a>(isa, fmt, x_float.data_ptr<float>(),
+                                     x_int8.defined() ? x_int8.data_ptr<uint8_t>() : nullptr, T,
+                                     K, w, bias_ptr, res_ptr, out.data_ptr<scalar_t>(), n_out);
     }
     panel_linear<scalar_t, a>(isa, fmt, x, w, bias_ptr, res_ptr, out);
   };
