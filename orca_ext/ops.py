@@ -138,7 +138,10 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, format: str, in_fea
     its dtype; bias, activation, residual and norm as in ``packed_linear`` (CPU only).
 
     The kernels' ISA is the best this CPU runs (``orca_ext._C.quant_isas()`` lists them);
-    the environment variable ``ORCA_QUANT_ISA=portable|avx2|avx512`` forces one.
+    the environment variable ``ORCA_QUANT_ISA=portable|avx2|avx512|avx512_vnni`` forces one.
+    ``avx512_vnni`` (the default where the CPU has it) rounds the activations of up to 2 tokens
+    to int8 per block of 32, as llama.cpp does (an error of up to ``max |x| / 254`` of the
+    block per activation); the other paths use them as given.
     """
     return torch.ops.orca.quantized_linear(x, qweight, format, in_features, bias, activation,
                                            residual, norm, norm_weight, norm_bias, norm_eps)
