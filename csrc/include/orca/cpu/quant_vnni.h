@@ -3,7 +3,7 @@
 // rounded to int8 with its own scale (dx = max |x| / 127, q = nearest-even(x / dx)), and
 // vpdpbusd multiplies 64 weight bytes (two blocks) by 64 activation bytes into 16 int32 lanes
 // exactly; only then are the lanes scaled to float. The activations' rounding, up to dx / 2 per
-// element, is this path's one error beyond float32 accumulation (the other paths have none).
+// element, is this path's one error beyond float32 accumulation (the float kernels have none).
 #pragma once
 
 #include <immintrin.h>
@@ -26,9 +26,9 @@ namespace orca::cpu::quant::vnni {
 // Lane l of the dot product covers bytes 4l..4l+3.
 struct BlockPair {
   int8_t q[64];
-  float dx[16];   // the scale of lane l's block
+  float dx[16];     // the scale of lane l's block
   int32_t off[16];  // the weights' offset times lane l's sum of q (q8_0: 128, q4_0: 8, q4_1: 0)
-  float sum[16];  // q4_1: dx times lane l's sum of q, for the blocks' m term
+  float sum[16];    // q4_1: dx times lane l's sum of q, for the blocks' m term
 };
 
 // The block of lane l: q8_0 lanes 0-7 are block 0, q4 lanes 0-3 and 8-11.
