@@ -7,6 +7,7 @@
 
 #include "kv/metadata.h"
 #include "kv/slot_allocator.h"
+#include "orca/cpu/quant_linear.h"
 
 namespace py = pybind11;
 using orca::kv::SlotAllocator;
@@ -146,6 +147,13 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_new"), py::arg("block_size"),
         "(cu_q_lens, context_lens, block_table, slot_mapping, positions) for one iteration, "
         "from each request's block ids");
+  m.def("quant_isas", [] {
+        std::vector<std::string> names;
+        for (const auto& [name, isa] : orca::cpu::quant::kIsaNames) {
+          if (orca::cpu::quant::isa_supported(isa)) names.emplace_back(name);
+        }
+        return names;
+      }, "The paths of quantized_linear's kernels this CPU runs, by their ORCA_QUANT_ISA names");
   m.def("argmax_rows", &argmax_rows, py::arg("logits"),
         "Each row's argmax of float32 CPU logits [rows, vocab] (as torch.argmax), as a list");
 }

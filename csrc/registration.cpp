@@ -10,6 +10,9 @@ TORCH_LIBRARY(orca, m) {
         "Tensor? norm_bias=None, float norm_eps=1e-05) -> Tensor");
   m.def("logits_linear(Tensor x, Tensor weight, str norm=\"none\", Tensor? norm_weight=None, "
         "Tensor? norm_bias=None, float norm_eps=1e-05) -> Tensor");
+  m.def("quantized_linear(Tensor x, Tensor qweight, str format, int in_features, Tensor? bias, "
+        "str activation=\"none\", Tensor? residual=None, str norm=\"none\", "
+        "Tensor? norm_weight=None, Tensor? norm_bias=None, float norm_eps=1e-05) -> Tensor");
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()");
   m.def("ragged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_q_lens, "

@@ -82,3 +82,36 @@ def _store_kv_fake(key, value, k_cache, v_cache, slot_mapping):
 @torch.library.register_fake("orca::ragged_attention")
 def _ragged_attention_fake(q, k_cache, v_cache, cu_q_lens, context_lens, block_table, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+QUANT_FORMATS = ("q8_0", "q4_0", "q4_1")
+
+
+def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, format: str, in_features: int,
+                     bias: torch.Tensor | None = None, activation: str = "none",
+                     residual: torch.Tensor | None = None, norm: str = "none",
+                     norm_weight: torch.Tensor | None = None,
+                     norm_bias: torch.Tensor | None = None,
+                     norm_eps: float = 1e-5) -> torch.Tensor:
+    """``packed_linear`` with the weight ``[N, in_features]`` held as GGUF blocks: ``qweight``
+    is uint8 ``[N, in_features / 32 * block_bytes]``, each row the blocks llama.cpp stores for
+    ``format`` (``q8_0``: 34 bytes, ``q4_0``: 18, ``q4_1``: 20 per 32 weights; see
+    ``orca_ext.quantize``). ``x [T, in_features]`` is float32 or bfloat16 and the output is in
+    its dtype; bias, activation, residual and norm as in ``packed_linear`` (CPU only).
+
+    The kernels' ISA is the best this CPU runs (``orca_ext._C.quant_isas()`` lists them);
+    the environment variable ``ORCA_QUANT_ISA=portable|avx2|avx512|avx512_vnni`` forces one.
+    ``avx512_vnni`` (the default where the CPU has it) rounds the activations of up to 2 tokens
+    to int8 per block of 32, as llama.cpp does (an error of up to ``max |x| / 254`` of the
+    block per activation); the other paths use them as given.
+    """
+    return torch.ops.orca.quantized_linear(x, qweight, format, in_features, bias, activation,
+                                           residual, norm, norm_weight, norm_bias, norm_eps)
+
+
+@torch.library.register_fake("orca::quantized_linear")
+def _quantized_linear_fake(x, qweight, format, in_features, bias=None, activation="none",
+                           residual=None, norm="none", norm_weight=None, norm_bias=None,
+                           norm_eps=1e-5):
+    n = qweight.shape[0] // 2 if activation == "silu_and_mul" else qweight.shape[0]
+    return x.new_empty((x.shape[0], n))

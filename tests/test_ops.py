@@ -29,7 +29,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 @pytest.mark.parametrize("T,K,N", [(0, 64, 96), (1, 64, 96), (1, 112, 90), (2, 100, 34),
                                    (3, 40, 70), (4, 512, 1100), (5, 80, 64), (7, 48, 130),
                                    (8, 1040, 520), (9, 64, 96), (20, 100, 70), (32, 512, 130),
-                                   (300, 128, 512), (1100, 64, 200), (40, 0, 16), (40, 64, 0)])
+                                   (300, 128, 512), (1100, 64, 200), (40, 0, 16), (4, 0, 16),
+                                   (40, 64, 0)])
 def test_packed_linear(device, dtype, activation, with_bias, with_residual, T, K, N):
     gen = torch.Generator().manual_seed(T * 7 + N)
     x = torch.randn(T, K, generator=gen).to(dtype).to(device)

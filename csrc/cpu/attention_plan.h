@@ -1,5 +1,5 @@
 // The CPU ragged attention's work plan, shared by ragged_attention and the fused
-// decoder_layers: the metadata's value checks, and the cut of the batch into AttentionWork
+// DecoderStack: the metadata's value checks, and the cut of the batch into AttentionWork
 // items (request x KV heads x query block x KV split) with the merges of split ranges.
 #pragma once
 

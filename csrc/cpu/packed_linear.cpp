@@ -18,7 +18,7 @@
 #include <algorithm>
 
 #include "orca/cpu/lanes_linear.h"
-#include "orca/cpu/norm.h"
+#include "normalized_input.h"
 #include "skinny_blocks.h"
 
 namespace orca {
@@ -173,27 +173,6 @@ void gemm_silu_and_mul(const at::Tensor& x, const at::Tensor& weight, const at::
 // The GEMM paths' output plus the residual (their BLAS / oneDNN calls run unfused).
 at::Tensor plus(at::Tensor y, const std::optional<at::Tensor>& residual) {
   return residual ? y.add_(*residual) : y;
-}
-
-// The input rows normalized: up to kSkinnyMaxT rows on this thread (orca/cpu/norm.h), more
-// through ATen's ops.
-at::Tensor normalized_input(const at::Tensor& x, const InputNorm& norm) {
-  if (x.size(0) > kSkinnyMaxT) return normalize_rows(x, norm);
-  at::Tensor y = at::empty_like(x);
-  const at::Tensor w = norm.weight->contiguous();
-  const at::Tensor b = norm.bias ? norm.bias->contiguous() : at::Tensor();
-  ORCA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "packed_linear", [&] {
-    const auto eps = static_cast<float>(norm.eps);
-    if (norm.kind == NormKind::kLayerNorm) {
-      cpu::layer_norm_rows(x.data_ptr<scalar_t>(), x.size(0), x.size(1), w.data_ptr<scalar_t>(),
-                           b.defined() ? b.data_ptr<scalar_t>() : nullptr, eps,
-                           y.data_ptr<scalar_t>());
-    } else {
-      cpu::rms_norm_rows(x.data_ptr<scalar_t>(), x.size(0), x.size(1), w.data_ptr<scalar_t>(),
-                         eps, y.data_ptr<scalar_t>());
-    }
-  });
-  return y;
 }
 
 // Whether x's T rows take the token-lanes kernel: kSkinnyMaxT < T <= kLanesMaxT, in float32 and

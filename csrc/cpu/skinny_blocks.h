@@ -1,5 +1,5 @@
 // The skinny (few-token) linear's per-thread work, shared by packed_linear and the fused
-// decoder_layers: dot products that stream each weight row once (orca/cpu/skinny_linear.h), in
+// DecoderStack: dot products that stream each weight row once (orca/cpu/skinny_linear.h), in
 // blocks of kSkinnyBlock output columns, each block's epilogue (bias, activation, residual)
 // applied while it is in cache.
 #pragma once
@@ -175,9 +175,11 @@ void dispatch_skinny(int64_t T, Activation act, const F& f) {
   });
 }
 
-// The fewest blocks worth a thread of their own, for weights of K columns.
+// The fewest blocks worth a thread of their own, for weights of K columns (K = 0, an empty
+// product, counts as 1).
 inline int64_t skinny_grain(int64_t K, Activation act) {
-  return ceil_div(kMinParallelWeights, kSkinnyBlock * K * (act == Activation::kSiluAndMul ? 2 : 1));
+  return ceil_div(kMinParallelWeights, kSkinnyBlock * std::max<int64_t>(K, 1) *
+                                           (act == Activation::kSiluAndMul ? 2 : 1));
 }
 
 }  // namespace orca

@@ -1,0 +1,133 @@
+// The quantized linear's kernels for each ISA behind one set of entry points (quant_linear.h).
+// Built without -march=native (its own object library): the portable path stays baseline code
+// and the AVX2 / AVX-512 paths come only from their target regions, so a build runs on any
+// x86-64 CPU and picks its path at run time.
+#include "orca/cpu/quant_linear.h"
+
+// GCC 12 warns that the AVX-512 intrinsics' own _mm512_undefined_* placeholders are used
+// uninitialized when they are inlined into target-pragma code (its bug 105593, a false positive):
+// off for the intrinsic headers, parsed here first.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+
+#include "orca/cpu/quant_avx2.h"
+#include "orca/cpu/quant_avx512.h"
+#include "orca/cpu/quant_portable.h"
+#include "orca/cpu/quant_vnni.h"
+
+namespace orca::cpu::quant {
+namespace {
+
+// f.template operator()<F>() for the format.
+template <typename Fn>
+void dispatch_format(Format format, const Fn& f) {
+  switch (format) {
+    case Format::kQ8_0: return f.template operator()<Format::kQ8_0>();
+    case Format::kQ4_0: return f.template operator()<Format::kQ4_0>();
+    case Format::kQ4_1: return f.template operator()<Format::kQ4_1>();
+  }
+}
+
+// f.template operator()<kT>() for T tokens (1 to kMaxDotTokens).
+template <typename Fn>
+void dispatch_tokens(int64_t T, const Fn& f) {
+  switch (T) {
+    case 1: return f.template operator()<1>();
+    case 2: return f.template operator()<2>();
+    case 3: return f.template operator()<3>();
+    case 4: return f.template operator()<4>();
+    case 5: return f.template operator()<5>();
+    case 6: return f.template operator()<6>();
+    case 7: return f.template operator()<7>();
+    default: return f.template operator()<8>();
+  }
+}
+
+}  // namespace
+
+bool isa_supported(Isa isa) {
+  __builtin_cpu_init();  // idempotent: the feature bits are valid even before libgcc set them
+  switch (isa) {
+    case Isa::kAvx512Vnni:
+      return __builtin_cpu_supports("avx512vnni") && isa_supported(Isa::kAvx512);
+    case Isa::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             isa_supported(Isa::kAvx2);
+    case Isa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+    default:
+      return true;
+  }
+}
+
+Isa best_isa() {
+  static const Isa best = isa_supported(Isa::kAvx512Vnni) ? Isa::kAvx512Vnni
+                          : isa_supported(Isa::kAvx512)   ? Isa::kAvx512
+                          : isa_supported(Isa::kAvx2) ? Isa::kAvx2
+                                                      : Isa::kPortable;
+  return best;
+}
+
+void dot_rows(Isa isa, Format format, const float* x, int64_t T, int64_t K, const uint8_t* w,
+              int64_t rows, float* y, int64_t y_stride) {
+  dispatch_format(format, [&]<Format F>() {
+    dispatch_tokens(T, [&]<int kT>() {
+      switch (isa) {
+        case Isa::kAvx512:
+        case Isa::kAvx512Vnni: return avx512::dot_rows<F, kT>(x, K, w, rows, y, y_stride);
+        case Isa::kAvx2: return avx2::dot_rows<F, kT>(x, K, w, rows, y, y_stride);
+        default: return portable::dot_rows<F, kT>(x, K, w, rows, y, y_stride);
+      }
+    });
+  });
+}
+
+int64_t int8_activation_bytes(int64_t T, int64_t K) {
+  return T * ((K / kBlockSize + 1) / 2) * static_cast<int64_t>(sizeof(vnni::BlockPair));
+}
+
+void quantize_activations(Format format, const float* x, int64_t T, int64_t K, void* x_int8) {
+  vnni::quantize_activations(format, x, T, K, static_cast<vnni::BlockPair*>(x_int8));
+}
+
+void dot_rows_int8(Format format, const void* x_int8, int64_t T, int64_t K, const uint8_t* w,
+                   int64_t rows, float* y, int64_t y_stride) {
+  const auto* x = static_cast<const vnni::BlockPair*>(x_int8);
+  dispatch_format(format, [&]<Format F>() {
+    dispatch_tokens(T, [&]<int kT>() { vnni::dot_rows<F, kT>(x, K, w, rows, y, y_stride); });
+  });
+}
+
+namespace {
+
+template <typename out_t>
+void dequantize_any(Isa isa, Format format, const uint8_t* w, int64_t K, int64_t rows,
+                    out_t* out) {
+  dispatch_format(format, [&]<Format F>() {
+    switch (isa) {
+      case Isa::kAvx512:
+      case Isa::kAvx512Vnni: return avx512::dequantize_rows<F>(w, K, rows, out);
+      case Isa::kAvx2: return avx2::dequantize_rows<F>(w, K, rows, out);
+      default: return portable::dequantize_rows<F>(w, K, rows, out);
+    }
+  });
+}
+
+}  // namespace
+
+void dequantize_rows(Isa isa, Format format, const uint8_t* w, int64_t K, int64_t rows,
+                     float* out) {
+  dequantize_any(isa, format, w, K, rows, out);
+}
+
+void dequantize_rows(Isa isa, Format format, const uint8_t* w, int64_t K, int64_t rows,
+                     uint16_t* out) {
+  dequantize_any(isa, format, w, K, rows, out);
+}
+
+}  // namespace orca::cpu::quant

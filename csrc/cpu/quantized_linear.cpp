@@ -1,0 +1,268 @@
+// quantized_linear on CPU: y = act(norm(x) @ W^T + b) + residual, W held as GGUF q8_0 / q4_0 /
+// q4_1 blocks (orca/cpu/quant_formats.h), with packed_linear's epilogue.
+// Up to 24 tokens (16 for bfloat16 x) each weight row's blocks are read from memory once and
+// dequantized in registers for up to 8 tokens at a time (orca/cpu/quant_kernel.h), in blocks of
+// kSkinnyBlock output columns (a further 8 tokens re-read the block from cache).
+// Beyond, each task dequantizes a cache-sized panel of weight rows (float32, or bfloat16 for
+// bfloat16 x) and runs one GEMM of all tokens against it (at::mm: MKL / oneDNN), then the
+// epilogue on the panel's output columns while they are in cache.
+// The kernels' ISA (portable, avx2, avx512, avx512_vnni: avx512 with int8 activations for up to
+// kInt8MaxT tokens) is the best this CPU runs, or ORCA_QUANT_ISA's.
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
+#include "normalized_input.h"
+#include "orca/cpu/quant_linear.h"
+#include "skinny_blocks.h"
+
+namespace orca {
+
+using cpu::quant::Format;
+using cpu::quant::Isa;
+
+namespace {
+
+// The most tokens the dot kernels take, per dtype of x: where they stopped beating the panels'
+// GEMM at SmolLM2-135M's shapes (bfloat16's GEMM, on AMX where the CPU has it, wins sooner).
+constexpr int64_t kDotMaxTFloat = 24, kDotMaxTBf16 = 16;
+constexpr int64_t kDotMaxT = std::max(kDotMaxTFloat, kDotMaxTBf16);
+// The most tokens kAvx512Vnni's int8 kernels take: they ran 1.1x-1.5x faster than the float
+// ones at one and two tokens and lost from four to eight (the per-block scaling is per token).
+constexpr int64_t kInt8MaxT = 2;
+constexpr int64_t kPanelBytes = 1024 * 1024;  // per thread: a dequantized panel, half an L2
+
+Format parse_format(c10::string_view name) {
+  if (name == "q8_0") return Format::kQ8_0;
+  if (name == "q4_0") return Format::kQ4_0;
+  if (name == "q4_1") return Format::kQ4_1;
+  TORCH_CHECK(false, "format must be one of 'q8_0', 'q4_0', 'q4_1', got '", std::string(name),
+              "'");
+}
+
+// The kernels' path: ORCA_QUANT_ISA (read at each call, so tests can switch it) where set.
+Isa chosen_isa() {
+  const char* forced = std::getenv("ORCA_QUANT_ISA");
+  if (forced == nullptr || *forced == '\0') return cpu::quant::best_isa();
+  for (const auto& [name, isa] : cpu::quant::kIsaNames) {
+    if (std::string(forced) != name) continue;
+    TORCH_CHECK(cpu::quant::isa_supported(isa), "ORCA_QUANT_ISA=", forced,
+                " but this CPU does not support that path");
+    return isa;
+  }
+  TORCH_CHECK(false, "ORCA_QUANT_ISA must be one of 'portable', 'avx2', 'avx512', 'avx512_vnni', "
+              "got '", forced, "'");
+}
+
+struct QuantArgs {
+  Format format;
+  Activation act;
+  InputNorm norm;
+};
+
+QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& qweight,
+                                        c10::string_view format, int64_t in_features,
+                                        const std::optional<at::Tensor>& bias,
+                                        c10::string_view activation,
+                                        const std::optional<at::Tensor>& residual,
+                                        c10::string_view norm,
+                                        const std::optional<at::Tensor>& norm_weight,
+                                        const std::optional<at::Tensor>& norm_bias,
+                                        double norm_eps) {
+  const Format fmt = parse_format(format);
+  const Activation act = parse_activation(activation);
+  check_dim(x, "x", 2, "[T, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.device().is_cpu(), "x must be on the CPU, got ", x.device());
+  check_dim(qweight, "qweight", 2, "[N, K / 32 * block_bytes] (uint8 GGUF blocks)");
+  check_dtype(qweight, "qweight", at::kByte);
+  check_same_device(qweight, "qweight", x, "x");
+  TORCH_CHECK(in_features >= 0 && in_features % cpu::quant::kBlockSize == 0,
+              "in_features must be a non-negative multiple of ", cpu::quant::kBlockSize,
+              " (the block size of ", std::string(format), "), got ", in_features);
+  TORCH_CHECK(x.size(1) == in_features, "x is ", shape_str(x), " but in_features = ",
+              in_features, ": x.size(1) must equal in_features (K)");
+  const int64_t row_bytes = in_features / cpu::quant::kBlockSize * cpu::quant::block_bytes(fmt);
+  TORCH_CHECK(qweight.size(1) == row_bytes, "qweight has ", qweight.size(1),
+              " bytes per row but in_features = ", in_features, " in ", std::string(format),
+              " blocks takes ", row_bytes, " (", cpu::quant::block_bytes(fmt), " bytes per ",
+              cpu::quant::kBlockSize, " weights)");
+  const int64_t N = qweight.size(0);
+  if (act == Activation::kSiluAndMul) {
+    TORCH_CHECK(N % 2 == 0, "silu_and_mul needs qweight with 2I rows (gate rows then up rows), "
+                "got an odd number of rows: ", N);
+  }
+  if (bias.has_value()) {
+    check_dim(*bias, "bias", 1, "[N]");
+    check_same_dtype(*bias, "bias", x, "x");
+    check_same_device(*bias, "bias", x, "x");
+    TORCH_CHECK(bias->size(0) == N, "bias has ", bias->size(0), " entries but qweight has N = ",
+                N, " rows");
+  }
+  if (residual.has_value()) {
+    const int64_t n_out = act == Activation::kSiluAndMul ? N / 2 : N;
+    check_same_dtype(*residual, "residual", x, "x");
+    check_same_device(*residual, "residual", x, "x");
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == x.size(0) &&
+                    residual->size(1) == n_out,
+                "residual must be the output's shape [", x.size(0), ", ", n_out, "], got shape ",
+                shape_str(*residual));
+  }
+  const InputNorm input_norm{parse_norm(norm), norm_weight, norm_bias, norm_eps};
+  check_input_norm(x, input_norm);
+  return {fmt, act, input_norm};
+}
+
+// Up to kDotMaxT tokens: blocks [begin, end) of kSkinnyBlock output columns, each block's dot
+// products (gate and up rows for silu_and_mul) then its epilogue. x_int8: x rounded to int8
+// blocks for the kAvx512Vnni kernels, else null.
+template <typename scalar_t, Activation act>
+void dot_linear(Isa isa, Format fmt, const float* x, const uint8_t* x_int8, int64_t T,
+                int64_t K, const uint8_t* w, const scalar_t* bias, const scalar_t* residual,
+                scalar_t* out, int64_t N) {
+  constexpr int64_t B = kSkinnyBlock, kChunk = cpu::quant::kMaxDotTokens;
+  const int64_t row_bytes = K / cpu::quant::kBlockSize * cpu::quant::block_bytes(fmt);
+  const int64_t half = act == Activation::kSiluAndMul ? N : 0;  // offset of the up rows
+  at::parallel_for(0, ceil_div(N, B), skinny_grain(K, act), [&](int64_t begin, int64_t end) {
+    float y[2][kDotMaxT * B];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * B, cols = std::min(B, N - n0);
+      for (int64_t part = 0; part < (half ? 2 : 1); ++part) {
+        const uint8_t* rows = w + (part * half + n0) * row_bytes;
+        for (int64_t t0 = 0; t0 < T; t0 += kChunk) {
+          const int64_t tokens = std::min(kChunk, T - t0);
+          if (x_int8) {
+            cpu::quant::dot_rows_int8(fmt, x_int8 + cpu::quant::int8_activation_bytes(t0, K),
+                                      tokens, K, rows, cols, y[part] + t0 * B, B);
+          } else {
+            cpu::quant::dot_rows(isa, fmt, x + t0 * K, tokens, K, rows, cols, y[part] + t0 * B,
+                                 B);
+          }
+        }
+      }
+      epilogue<act, float, scalar_t>(y[0], half ? y[1] : nullptr, B, T, cols,
+                                     bias ? bias + n0 : nullptr,
+                                     bias && half ? bias + half + n0 : nullptr,
+                                     residual ? residual + n0 : nullptr, out + n0, N);
+    }
+  });
+}
+
+// More tokens: per task, panels of weight rows dequantized to x's dtype (gate and up rows side
+// by side for silu_and_mul), one single-threaded GEMM of all tokens per panel into a
+// thread-local buffer, and the epilogue from there into out.
+template <typename scalar_t, Activation act>
+void panel_linear(Isa isa, Format fmt, const at::Tensor& x, const uint8_t* w,
+                  const scalar_t* bias, const scalar_t* residual, at::Tensor& out) {
+  const int64_t T = x.size(0), K = x.size(1), N = out.size(1);
+  const int64_t row_bytes = K / cpu::quant::kBlockSize * cpu::quant::block_bytes(fmt);
+  const int64_t parts = act == Activation::kSiluAndMul ? 2 : 1;
+  const int64_t half = parts == 2 ? N : 0;  // offset of the up rows
+  // Panels of up to kPanelBytes (rows a multiple of 16), one GEMM call each (fewer, larger
+  // calls ran faster, oneDNN's bfloat16 ones most), at least one per thread and a multiple of
+  // the threads, so that no core idles on the last one.
+  const int64_t threads = at::get_num_threads();
+  const int64_t panel_rows =
+      std::max<int64_t>(16, kPanelBytes / (parts * std::max<int64_t>(K, 1) * x.element_size()));
+  int64_t panels = std::max(ceil_div(N, panel_rows), std::min(threads, ceil_div(N, 16)));
+  if (panels > threads) panels = ceil_div(panels, threads) * threads;
+  const int64_t rows_per_panel = ceil_div(ceil_div(N, panels), 16) * 16;
+  panels = ceil_div(N, rows_per_panel);
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  // The workers take the caller's thread-local state: under inference mode their tensors are
+  // inference tensors, which only inference mode may write.
+  const at::ThreadLocalState caller_state;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    const at::ThreadLocalStateGuard state_guard(caller_state);
+    at::Tensor panel = at::empty({parts * rows_per_panel, K}, x.options());
+    at::Tensor buffer = at::empty({T * parts * rows_per_panel}, x.options());
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * rows_per_panel, rows = std::min(rows_per_panel, N - n0);
+      for (int64_t part = 0; part < parts; ++part) {
+        const uint8_t* src = w + (part * half + n0) * row_bytes;
+        scalar_t* dst = panel.data_ptr<scalar_t>() + part * rows * K;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          cpu::quant::dequantize_rows(isa, fmt, src, K, rows, dst);
+        } else {
+          cpu::quant::dequantize_rows(isa, fmt, src, K, rows, reinterpret_cast<uint16_t*>(dst));
+        }
+      }
+      at::Tensor y = buffer.narrow(0, 0, T * parts * rows).view({T, parts * rows});
+      at::mm_out(y, x, panel.narrow(0, 0, parts * rows).t());
+      const scalar_t* y_ptr = y.data_ptr<scalar_t>();
+      epilogue<act, scalar_t, scalar_t>(y_ptr, parts == 2 ? y_ptr + rows : nullptr, parts * rows,
+                                        T, rows, bias ? bias + n0 : nullptr,
+                                        bias && half ? bias + half + n0 : nullptr,
+                                        residual ? residual + n0 : nullptr, out_ptr + n0, N);
+    }
+  });
+}
+
+at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweight_in,
+                                c10::string_view format, int64_t in_features,
+                                const std::optional<at::Tensor>& bias_in,
+                                c10::string_view activation,
+                                const std::optional<at::Tensor>& residual_in,
+                                c10::string_view norm,
+                                const std::optional<at::Tensor>& norm_weight,
+                                const std::optional<at::Tensor>& norm_bias, double norm_eps) {
+  const auto [fmt, act, input_norm] =
+      check_quantized_linear_inputs(x_in, qweight_in, format, in_features, bias_in, activation,
+                                    residual_in, norm, norm_weight, norm_bias, norm_eps);
+  const Isa isa = chosen_isa();
+  const at::Tensor x = input_norm.kind == NormKind::kNone
+                           ? x_in.contiguous()
+                           : normalized_input(x_in.contiguous(), input_norm);
+  const at::Tensor qweight = qweight_in.contiguous();
+  const int64_t T = x.size(0), K = in_features;
+  const int64_t n_out = act == Activation::kSiluAndMul ? qweight.size(0) / 2 : qweight.size(0);
+  at::Tensor out = at::empty({T, n_out}, x.options());
+  if (T == 0 || n_out == 0) return out;
+  const at::Tensor bias = bias_in ? bias_in->contiguous() : at::Tensor();
+  const at::Tensor residual = residual_in ? residual_in->contiguous() : at::Tensor();
+  const uint8_t* w = qweight.data_ptr<uint8_t>();
+  const auto run = [&]<typename scalar_t, Activation a>() {
+    const scalar_t* bias_ptr = bias_in ? bias.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* res_ptr = residual_in ? residual.data_ptr<scalar_t>() : nullptr;
+    if (T <= (std::is_same_v<scalar_t, float> ? kDotMaxTFloat : kDotMaxTBf16)) {
+      const at::Tensor x_float = x.to(at::kFloat).contiguous();
+      at::Tensor x_int8;
+      if (isa == Isa::kAvx512Vnni && T <= kInt8MaxT) {
+        x_int8 = at::empty({cpu::quant::int8_activation_bytes(T, K)}, x.options().dtype(at::kByte));
+        cpu::quant::quantize_activations(fmt, x_float.data_ptr<float>(), T, K,
+                                         x_int8.data_ptr());
+      }
+      return dot_linear<scalar_t, a>(isa, fmt, x_float.data_ptr<float>(),
+                                     x_int8.defined() ? x_int8.data_ptr<uint8_t>() : nullptr, T,
+                                     K, w, bias_ptr, res_ptr, out.data_ptr<scalar_t>(), n_out);
+    }
+    panel_linear<scalar_t, a>(isa, fmt, x, w, bias_ptr, res_ptr, out);
+  };
+  const auto run_dtype = [&]<typename scalar_t>() {
+    switch (act) {
+      case Activation::kNone: return run.template operator()<scalar_t, Activation::kNone>();
+      case Activation::kGeluTanh:
+        return run.template operator()<scalar_t, Activation::kGeluTanh>();
+      case Activation::kRelu: return run.template operator()<scalar_t, Activation::kRelu>();
+      case Activation::kSiluAndMul:
+        return run.template operator()<scalar_t, Activation::kSiluAndMul>();
+    }
+  };
+  if (x.scalar_type() == at::kFloat) {
+    run_dtype.template operator()<float>();
+  } else {
+    run_dtype.template operator()<c10::BFloat16>();
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(orca, CPU, m) { m.impl("quantized_linear", &quantized_linear_cpu); }
+
+}  // namespace orca

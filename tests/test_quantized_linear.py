@@ -1,0 +1,309 @@
+"""ops.quantized_linear on GGUF q8_0 / q4_0 / q4_1 blocks against gguf.quants.dequantize and a
+float64 matmul (the epilogue in float64 through reference_ops), on every kernel path this CPU
+runs; orca_ext.quantize against gguf.quants."""
+from __future__ import annotations
+
+import functools
+import struct
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+import reference_ops as ref
+from orca_ext import _C, ops
+from orca_ext.quantize import dequantize_weight, quantize_weight
+
+FORMATS = ["q8_0", "q4_0", "q4_1"]
+ISAS = ["portable", "avx2", "avx512", "avx512_vnni"]
+INT8_MAX_T = 2  # up to this many tokens avx512_vnni rounds the activations to int8 blocks
+DTYPES = [torch.float32, torch.bfloat16]
+# float32: the kernels sum K <= 576 float32 products in another order than the float64
+# reference, an error of order sqrt(K) * 2**-24 of the sum of |terms| (~1e-6 here), and the
+# epilogue's exp is within a few ulp; 1e-4 leaves a margin and still fails on any misplaced
+# weight (one quantization step moves an output by >= 1e-2). bfloat16: the output, the
+# normalized input rows and (from 17 tokens) the dequantized weight panel are rounded to
+# bfloat16, 2**-9 of each value, and so is the GEMM's output before the epilogue (as in
+# packed_linear's bfloat16 GEMM path), as packed_linear's bfloat16 tolerance allows at outputs
+# and activation inputs of order 1.
+TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+# Up to 24 tokens (float32; bfloat16: 16) the dot kernels, 8 tokens at a time (9, 16, 17 and 24
+# take two and three passes); more, the dequantized panels and a GEMM (600: several panels).
+TOKENS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 25, 64, 600]
+# K: one block, and 3, 9, 18 blocks (none a multiple of 256); N odd: partial row groups and a
+# partial last block of output columns.
+SHAPES = [(32, 7), (96, 33), (288, 129), (576, 33)]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch) -> str:
+    if request.param not in _C.quant_isas():
+        pytest.skip(f"this CPU does not run the {request.param} path")
+    monkeypatch.setenv("ORCA_QUANT_ISA", request.param)
+    return request.param
+
+
+@functools.cache
+def quantized(fmt: str, K: int, N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random weight [N, K] (a linear layer's scale) as blocks, and their dequantized values."""
+    gen = torch.Generator().manual_seed(K * 1000 + N)
+    w = torch.randn(N, K, generator=gen) / K ** 0.5
+    q = quantize_weight(w, fmt)
+    return q, dequantize_weight(q, fmt, K)
+
+
+def int8_rounded(rows: torch.Tensor) -> torch.Tensor:
+    """float64 ``rows [T, K]`` as the avx512_vnni path rounds them (llama.cpp's q8_0 activations):
+    each block of 32 to int8 multiples of ``dx = max |x| / 127``, in float32, nearest even."""
+    x = rows.float().reshape(rows.shape[0], -1, 32)
+    dx = x.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    return (torch.round(x * inverse).double() * dx.double()).reshape(rows.shape)
+
+
+def kernel_rows(rows: torch.Tensor, isa: str) -> torch.Tensor:
+    """The activations the kernels multiply: int8-rounded where avx512_vnni does so."""
+    return int8_rounded(rows) if isa == "avx512_vnni" and rows.shape[0] <= INT8_MAX_T else rows
+
+
+def normed_rows(x: torch.Tensor, norm: str, gamma, beta, eps: float) -> torch.Tensor:
+    """x's rows normalized as the op normalizes them (in x's dtype): packed_linear's shared norm
+    against the identity, which adds each element to zeros only."""
+    eye = torch.eye(x.shape[1], dtype=x.dtype)
+    return ops.packed_linear(x, eye, None, "none", None, norm, gamma, beta, eps)
+
+
+def assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype and out.shape == expected.shape
+    torch.testing.assert_close(out.double(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("K,N", SHAPES)
+def test_quantized_linear(isa, fmt, dtype, T, K, N):
+    q, w = quantized(fmt, K, N)
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(T)).to(dtype)
+    expected = kernel_rows(x.double(), isa) @ w.double().t()
+    assert_close(ops.quantized_linear(x, q, fmt, K), expected, dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("T", [1, 2])
+def test_int8_activation_error(fmt, T, monkeypatch):
+    """avx512_vnni's one error beyond float32 accumulation: each activation rounded by at most
+    half its block's step dx, so an output moves by at most sum_k |w_k| dx_k / 2."""
+    if "avx512_vnni" not in _C.quant_isas():
+        pytest.skip("this CPU does not run the avx512_vnni path")
+    monkeypatch.setenv("ORCA_QUANT_ISA", "avx512_vnni")
+    K, N = 576, 129
+    q, w = quantized(fmt, K, N)
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(5))
+    dx = (x.reshape(T, -1, 32).abs().amax(-1, keepdim=True) / 127).expand(-1, -1, 32)
+    bound = (dx.reshape(T, K).double() / 2) @ w.double().abs().t()
+    error = (ops.quantized_linear(x, q, fmt, K).double() - x.double() @ w.double().t()).abs()
+    assert (error <= bound + TOL[torch.float32]).all()
+    assert error.max() > 10 * TOL[torch.float32]  # the activations are rounded indeed
+
+
+# (activation, bias, residual, norm): each epilogue piece, and all of them together.
+EPILOGUES = [("none", True, False, "none"), ("gelu_tanh", True, False, "none"),
+             ("relu", False, True, "none"), ("silu_and_mul", True, True, "none"),
+             ("none", False, False, "layer_norm"),
+             ("gelu_tanh", True, False, "layer_norm_no_bias"),
+             ("silu_and_mul", True, True, "rms_norm")]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 5, 9, 17, 25, 64])
+@pytest.mark.parametrize("activation,with_bias,with_residual,norm", EPILOGUES)
+def test_quantized_linear_epilogue(isa, fmt, dtype, T, activation, with_bias, with_residual,
+                                   norm):
+    K, N = 96, 66  # N even, so that silu_and_mul has its gate and up halves
+    q, w = quantized(fmt, K, N)
+    gen = torch.Generator().manual_seed(T * 7 + N)
+    x = torch.randn(T, K, generator=gen).to(dtype)
+    b = torch.randn(N, generator=gen).to(dtype) if with_bias else None
+    n_out = N // 2 if activation == "silu_and_mul" else N
+    r = torch.randn(T, n_out, generator=gen).to(dtype) if with_residual else None
+    gamma = (1 + torch.randn(K, generator=gen) / 4).to(dtype)
+    beta = torch.randn(K, generator=gen).to(dtype) if norm == "layer_norm" else None
+    kind = "layer_norm" if norm.startswith("layer_norm") else norm
+    norm_args = () if norm == "none" else (kind, gamma, beta, 1e-5)
+    out = ops.quantized_linear(x, q, fmt, K, b, activation, r, *norm_args)
+    if isa == "avx512_vnni" and T <= INT8_MAX_T:  # the op's own normalized rows, int8-rounded
+        rows = kernel_rows(x.double() if norm == "none" else normed_rows(x, *norm_args).double(),
+                           isa)
+    else:
+        rows = (x if norm == "none" else ref.rms_norm(x, gamma, 1e-5) if kind == "rms_norm"
+                else ref.layer_norm(x, gamma, beta, 1e-5))
+    assert_close(out, ref.packed_linear(rows, w, b, activation, r), dtype)
+
+
+def test_default_isa_is_the_best_this_cpu_runs(monkeypatch):
+    q, w = quantized("q4_0", 96, 33)
+    x = torch.randn(1, 96)
+    monkeypatch.delenv("ORCA_QUANT_ISA", raising=False)
+    default = ops.quantized_linear(x, q, "q4_0", 96)
+    monkeypatch.setenv("ORCA_QUANT_ISA", _C.quant_isas()[-1])
+    assert torch.equal(default, ops.quantized_linear(x, q, "q4_0", 96))
+    assert _C.quant_isas()[0] == "portable"
+
+
+def hand_made_blocks(fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows of one block each, built from ggml's block layout by hand (not through gguf),
+    and the weights they hold: weight j of a row is a distinct small integer times d."""
+    rows, weights = [], []
+    for row, (d, m) in enumerate([(0.5, -1.0), (2.0, 3.0)]):
+        header = struct.pack("<e", d) + (struct.pack("<e", m) if fmt == "q4_1" else b"")
+        if fmt == "q8_0":
+            q = [(5 * j + row) % 256 - 128 for j in range(32)]
+            body, values = struct.pack("<32b", *q), [v * d for v in q]
+        else:
+            q = [(j * 7 + row) % 16 for j in range(32)]  # elements 0-15 low nibbles, 16-31 high
+            body = bytes(q[j] | q[j + 16] << 4 for j in range(16))
+            values = [v * d + m if fmt == "q4_1" else (v - 8) * d for v in q]
+        rows.append(np.frombuffer(header + body, dtype=np.uint8))
+        weights.append(values)
+    return torch.from_numpy(np.stack(rows)), torch.tensor(weights)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("T", [1, 30])  # the dot kernels and the panels
+def test_block_layout(isa, fmt, T):
+    """Against the format's definition itself: small integer x with 127 in each row (so that
+    int8 activations round nothing), so that every sum is exact."""
+    q, w = hand_made_blocks(fmt)
+    x = torch.randint(-3, 4, (T, 32), generator=torch.Generator().manual_seed(T)).float()
+    x[:, 5] = 127
+    torch.testing.assert_close(ops.quantized_linear(x, q, fmt, 32), x @ w.t(), atol=0, rtol=0)
+    torch.testing.assert_close(dequantize_weight(q, fmt, 32), w, atol=0, rtol=0)
+
+
+def test_noncontiguous_inputs():
+    q, w = quantized("q8_0", 96, 33)
+    x = torch.randn(96, 5).t()  # [5, 96], not contiguous
+    wide = torch.zeros(33, 2 * q.shape[1], dtype=torch.uint8)
+    wide[:, :q.shape[1]] = q
+    out = ops.quantized_linear(x, wide[:, :q.shape[1]], "q8_0", 96)
+    torch.testing.assert_close(out, ops.quantized_linear(x.contiguous(), q, "q8_0", 96))
+    assert_close(out, x.double() @ w.double().t(), torch.float32)
+
+
+def test_empty():
+    q, _ = quantized("q4_1", 96, 33)
+    assert ops.quantized_linear(torch.randn(0, 96), q, "q4_1", 96).shape == (0, 33)
+    no_rows = torch.zeros(0, q.shape[1], dtype=torch.uint8)
+    assert ops.quantized_linear(torch.randn(4, 96), no_rows, "q4_1", 96).shape == (4, 0)
+    no_columns = torch.zeros(6, 0, dtype=torch.uint8)
+    for T in (4, 40):  # an empty sum: the bias alone
+        out = ops.quantized_linear(torch.randn(T, 0), no_columns, "q4_1", 0, torch.ones(6))
+        assert torch.equal(out, torch.ones(T, 6))
+
+
+def test_inference_mode():
+    """The panels' worker threads write their buffers under the caller's inference mode."""
+    q, w = quantized("q4_0", 96, 129)
+    for T in (3, 600):
+        for dtype in DTYPES:
+            x = torch.randn(T, 96).to(dtype)
+            with torch.inference_mode():
+                out = ops.quantized_linear(x, q, "q4_0", 96, None, "gelu_tanh")
+            assert out.is_inference()
+            assert_close(out, ref.packed_linear(x, w, None, "gelu_tanh"), dtype)
+
+
+def test_opcheck():
+    q, _ = quantized("q4_0", 96, 66)
+    for T in (1, 3, 30):  # the dot kernels (int8 on avx512_vnni, float) and the panels
+        for dtype in DTYPES:
+            x, b = torch.randn(T, 96).to(dtype), torch.randn(66).to(dtype)
+            r, gamma = torch.randn(T, 33).to(dtype), torch.randn(96).to(dtype)
+            op = torch.ops.orca.quantized_linear.default
+            torch.library.opcheck(op, (x, q, "q4_0", 96, None))
+            torch.library.opcheck(op, (x, q, "q4_0", 96, b, "silu_and_mul", r, "rms_norm",
+                                       gamma, None, 1e-6))
+
+
+ERROR_CASES = [
+    (dict(format="q5_0"), "format must be one of 'q8_0', 'q4_0', 'q4_1', got 'q5_0'"),
+    (dict(x=torch.randn(4, 40), in_features=40),
+     "in_features must be a non-negative multiple of 32 .*got 40"),
+    (dict(qweight=torch.zeros(6, 33, dtype=torch.uint8)),
+     "qweight has 33 bytes per row but in_features = 32 in q8_0 blocks takes 34"),
+    (dict(format="q4_1"), "qweight has 34 bytes per row but in_features = 32 in q4_1 blocks "
+                          "takes 20"),
+    (dict(qweight=torch.zeros(6, 34, dtype=torch.int8)), "qweight must have dtype"),
+    (dict(qweight=torch.zeros(6 * 34, dtype=torch.uint8)), r"qweight must be 2-D"),
+    (dict(x=torch.randn(4, 32).int()), "x must be float32 or bfloat16"),
+    (dict(x=torch.randn(4, 32).half()), "x must be float32 or bfloat16"),
+    (dict(x=torch.randn(32)), r"x must be 2-D \[T, K\]"),
+    (dict(x=torch.randn(4, 64)), r"x.size\(1\) must equal in_features"),
+    (dict(bias=torch.randn(5)), "bias has 5 entries but qweight has N = 6 rows"),
+    (dict(bias=torch.randn(6).bfloat16()), r"bias has dtype \S+ but x has dtype"),
+    (dict(residual=torch.randn(4, 5)), r"residual must be the output's shape \[4, 6\]"),
+    (dict(activation="silu_and_mul", residual=torch.randn(4, 6)),
+     r"residual must be the output's shape \[4, 3\]"),
+    (dict(activation="silu_and_mul", qweight=torch.zeros(5, 34, dtype=torch.uint8)),
+     "silu_and_mul needs qweight with 2I rows"),
+    (dict(activation="swish"), "activation must be one of"),
+    (dict(norm="layer_norm", norm_weight=torch.randn(31)),
+     "norm_weight has 31 entries but x has K = 32 columns"),
+    (dict(norm="rms_norm"), r"norm needs norm_weight \[K\]"),
+    (dict(norm="rms_norm", norm_weight=torch.randn(32), norm_bias=torch.randn(32)),
+     "rms_norm takes no norm_bias"),
+]
+
+
+@pytest.mark.parametrize("override,message", ERROR_CASES)
+def test_errors(override, message):
+    args = dict(x=torch.randn(4, 32), qweight=torch.zeros(6, 34, dtype=torch.uint8),
+                format="q8_0", in_features=32, bias=None, activation="none", residual=None,
+                norm="none", norm_weight=None, norm_bias=None)
+    args.update(override)
+    with pytest.raises(RuntimeError, match=message):
+        ops.quantized_linear(**args)
+
+
+def test_forced_isa_errors(monkeypatch):
+    q, _ = quantized("q8_0", 32, 7)
+    monkeypatch.setenv("ORCA_QUANT_ISA", "sse9")
+    with pytest.raises(RuntimeError, match="ORCA_QUANT_ISA must be one of 'portable', 'avx2', "
+                                           "'avx512', 'avx512_vnni', got 'sse9'"):
+        ops.quantized_linear(torch.randn(2, 32), q, "q8_0", 32)
+    missing = [name for name in ISAS if name not in _C.quant_isas()]
+    for name in missing:
+        monkeypatch.setenv("ORCA_QUANT_ISA", name)
+        with pytest.raises(RuntimeError, match=f"ORCA_QUANT_ISA={name} but this CPU"):
+            ops.quantized_linear(torch.randn(2, 32), q, "q8_0", 32)
+
+
+# ---------------------------------------------------------------------------- orca_ext.quantize
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_weight_matches_gguf(fmt):
+    w = torch.randn(40, 288, generator=torch.Generator().manual_seed(3)) * 0.05
+    w[3, :32] = 0  # an all-zero block: d = 0
+    q = quantize_weight(w.bfloat16(), fmt)
+    qtype = GGMLQuantizationType[fmt.upper()]
+    expected = quants.quantize(w.bfloat16().float().numpy(), qtype)
+    assert q.dtype == torch.uint8 and q.shape == (40, 288 // 32 * {"q8_0": 34, "q4_0": 18,
+                                                                     "q4_1": 20}[fmt])
+    assert np.array_equal(q.numpy(), expected)
+    deq = dequantize_weight(q, fmt, 288)
+    assert np.array_equal(deq.numpy(), quants.dequantize(expected, qtype))
+    # Each weight within a quantization step of its block's range (q8_0: 1/127 of its max).
+    step = w.abs().amax(1, keepdim=True) / (127 if fmt == "q8_0" else 7)
+    assert ((deq - w).abs() <= step).all()
+
+
+def test_quantize_weight_errors():
+    with pytest.raises(ValueError, match="format must be one of"):
+        quantize_weight(torch.randn(4, 32), "q2_k")
+    with pytest.raises(ValueError, match="K a multiple of 32"):
+        quantize_weight(torch.randn(4, 40), "q8_0")
+    with pytest.raises(ValueError, match=r"qweight must be uint8 \[N, 34\]"):
+        dequantize_weight(torch.zeros(4, 20, dtype=torch.uint8), "q8_0", 32)
