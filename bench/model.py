@@ -89,8 +89,9 @@ def decode_step_and_bound(runner: ModelRunner, allocator: SlotAllocator, copy: C
     step = SchedulerOutput(1, [ScheduledRequest(rid, [1], context) for rid in ids])
     steps, bandwidths, scans = [], [], []
     for _ in range(rounds):
-        steps.append(time_fn(lambda: runner.execute(step), device, warmup=10, min_runs=20,
-                             min_seconds=0.3))
+        with torch.inference_mode():  # entered once, as the engine loops do
+            steps.append(time_fn(lambda: runner.execute(step), device, warmup=10, min_runs=20,
+                                 min_seconds=0.3))
         bandwidths.append(copy.measure())
         scans.append(copy.measure_scan())
     runner.execute(SchedulerOutput(2, [], finished_request_ids=ids))
