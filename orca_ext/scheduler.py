@@ -67,8 +67,10 @@ class SchedulerStats:
     num_blocks: int
     num_preemptions: int  # since start
     num_cached_blocks: int = 0  # blocks in the prefix cache (held or evictable)
-    prefix_cache_queries: int = 0  # tokens of full prompt blocks looked up, since start
-    prefix_cache_hits: int = 0  # of those, tokens reused from the cache
+    # Since start, as vLLM counts them: tokens of the requests admitted with caching on (their
+    # prompts, and outputs when recomputed after a preemption), and of those, tokens reused.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -94,6 +96,7 @@ class Scheduler:
         self.running: list[Request] = []  # holding KV, in arrival order
         self.requests: dict[int, Request] = {}  # every unfinished request
         self.num_preemptions = 0
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
         self._batches: dict[int, Picked] = {}
         self._next_batch_id = 0
         self._ended: list[int] = []  # ids to report in the next batch's finished_request_ids
@@ -202,11 +205,10 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         alloc = self.allocator
-        cache = ((alloc.num_cached_blocks, alloc.prefix_queries, alloc.prefix_hits)
-                 if self.config.enable_prefix_caching else (0, 0, 0))
+        cached = alloc.num_cached_blocks if self.config.enable_prefix_caching else 0
         return SchedulerStats(len(self.waiting), len(self.running), len(self._batches),
                               alloc.num_used_blocks, alloc.num_blocks, self.num_preemptions,
-                              *cache)
+                              cached, self.prefix_cache_queries, self.prefix_cache_hits)
 
     def _select(self) -> Picked:
         raise NotImplementedError
@@ -232,6 +234,9 @@ class Scheduler:
                                                        prefix_hashes)
         if request.num_cached_tokens is None:
             request.num_cached_tokens = request.num_computed
+        if self.config.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += request.num_computed
         self.waiting.popleft()
         bisect.insort(self.running, request, key=lambda r: r.request_id)  # ids follow arrival
         return True

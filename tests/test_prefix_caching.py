@@ -217,7 +217,7 @@ def test_stats_count_queries_hits_and_cached_share():
     engine.add_request("b", SYSTEM[:17], GREEDY)
     _run(engine)
     stats = engine.stats()
-    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (32, 16)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (34, 16)
     assert stats.num_cached_blocks == engine.scheduler.allocator.num_cached_blocks > 0
     assert stats.prefix_cache_usage == stats.num_cached_blocks / stats.num_blocks
     off = _engine("orca", caching=False)
@@ -327,3 +327,87 @@ def test_greedy_outputs_identical_with_caching_on_and_off(tiny_models, name, pol
             assert stats.prefix_cache_hits > 0
             llm.engine.scheduler.allocator.check_invariants()
     assert results[True] == results[False]
+
+
+# ---------------------------------------------------------------------------------------------
+# The server: usage.prompt_tokens_details.cached_tokens, /metrics, the OpenAPI document.
+
+def test_server_reports_cached_tokens_and_metrics():
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    import asyncio
+
+    from orca_ext import build_engine
+    from orca_ext.async_engine import AsyncEngine
+    from orca_ext.server import create_app
+
+    engine = AsyncEngine(build_engine(EngineConfig("orca-tiny", device="cpu", max_batch_size=4,
+                                                   kv_cache_tokens=1024)))
+    app = create_app(engine, model_name="tiny")
+    prompt = "You are a helpful assistant. Answer briefly and politely. " * 2
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://test") as client:
+            first = await client.post("/v1/completions", json=body)
+            second = await client.post("/v1/completions", json=body)
+            chunks = []
+            async with client.stream("POST", "/v1/chat/completions", json={
+                    "model": "tiny", "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": 2, "stream": True,
+                    "stream_options": {"include_usage": True}}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        chunks.append(line)
+            again = await client.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 2})
+            metrics = await client.get("/metrics")
+            return first.json(), second.json(), chunks, again.json(), metrics.text
+
+    try:
+        first, second, chunks, again, metrics = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    prompt_tokens = second["usage"]["prompt_tokens"]
+    assert cached == (prompt_tokens - 1) // 16 * 16 > 0
+    assert '"prompt_tokens_details"' in chunks[-1]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+              if line.startswith("orca_prefix_cache")}
+    assert values["orca_prefix_cache_hits_total"] >= cached + 16
+    assert values["orca_prefix_cache_queries_total"] >= values["orca_prefix_cache_hits_total"]
+    assert 0 < values["orca_prefix_cache_usage_ratio"] <= 1
+    assert values["orca_prefix_cache_blocks"] > 0
+    schemas = app.openapi()["components"]["schemas"]
+    assert schemas["Usage"]["properties"]["prompt_tokens_details"]
+    assert "cached_tokens" in schemas["PromptTokensDetails"]["properties"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The real default model: a shared system prompt, caching on and off.
+
+@pytest.mark.usefixtures("one_thread")
+def test_real_model_shared_system_prompt():
+    from orca_ext import LLM
+    from orca_ext.model import load_model
+    from orca_ext.model.builtin import DEFAULT_MODEL
+
+    loaded = load_model(DEFAULT_MODEL, "float32")
+    system = ("You are a concise assistant for a travel company. Answer in one short sentence, "
+              "be friendly, and never invent prices or dates you were not given.")
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+             for q in ("What is the capital of France?", "Name a good beach in Spain.",
+                       "How far is Rome from Milan?")]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    answers = {}
+    for caching in (False, True):
+        llm = LLM(loaded, max_batch_size=1, kv_cache_tokens=2048, enable_prefix_caching=caching)
+        outputs = llm.chat(chats, params, use_tqdm=False)
+        answers[caching] = [list(o.outputs[0].token_ids) for o in outputs]
+        if caching:
+            assert [o.num_cached_tokens > 0 for o in outputs] == [False, True, True]
+    assert answers[True] == answers[False]
