@@ -167,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rate", type=float, default=4.0, help="system_prompt: requests/s")
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--message-len", type=int, nargs=2, default=[64, 128],
+    parser.add_argument("--message-len", type=int, nargs=2, default=[128, 256],
                         metavar=("MIN", "MAX"))
     parser.add_argument("--answer-len", type=int, default=64)
     parser.add_argument("--conversation-rate", type=float, default=2.0,
@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"a small run on a busy machine: {QUICK}")
     serving.add_engine_args(parser)
-    parser.set_defaults(kv_cache_tokens=16384)
+    parser.set_defaults(kv_cache_tokens=16384, max_batch_size=64)
     parser.add_argument("--json", default=None, help="write the JSON record here")
     args = serving.parse_with_quick(parser, argv, QUICK)
 

@@ -226,6 +226,22 @@ def test_stats_count_queries_hits_and_cached_share():
     assert off.stats().num_cached_blocks == off.stats().prefix_cache_queries == 0
 
 
+def test_runner_history_holds_the_reused_prefix():
+    """The runner's token history (what penalties read) is the whole prompt even though only
+    the part past the cached prefix runs."""
+    engine = _engine("orca")
+    engine.add_request("a", SYSTEM[:13], GREEDY)
+    _run(engine)
+    engine.add_request("b", SYSTEM[:13], GREEDY)
+    engine.step()
+    out = engine.executor.batches[-1]
+    (new,), (row,) = out.new_requests, out.requests
+    assert (row.num_computed, new.computed_token_ids, row.token_ids) == (12, SYSTEM[:12],
+                                                                          SYSTEM[12:13])
+    state = engine.executor.inputs.requests[row.request_id]
+    assert state.prompt_token_ids == SYSTEM[:13] and len(state.output_token_ids) == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Configuration.
 

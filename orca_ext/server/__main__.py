@@ -203,7 +203,8 @@ def _summary(loaded: Any, engine: Any) -> list[str]:
         f"KV cache: {allocator.num_blocks} blocks x {allocator.block_size} tokens = "
         f"{allocator.num_blocks * allocator.block_size} tokens, {kv_bytes / 2**20:.1f} MiB; "
         f"policy {engine.scheduler.config.policy}, max batch size "
-        f"{engine.scheduler.config.max_batch_size}",
+        f"{engine.scheduler.config.max_batch_size}, prefix caching "
+        f"{'on' if engine.scheduler.config.enable_prefix_caching else 'off'}",
     ]
 
 
