@@ -13,7 +13,7 @@ Two workloads, each run in-process (``AsyncEngine``) on one loaded model (defaul
   previous answer (``--answer-len`` tokens) is back.
 Prompts are random token ids (no special tokens), every request greedy with ``ignore_eos``, and
 the streams are a function of the arguments and ``--seed`` only, so both settings see the same
-requests. Reported per run: TTFT p50 / p90 (from a request's scheduled arrival, or a turn's
+requests. Both settings get the same KV pool: ``--kv-cache-tokens``, else ``KV_CACHE_TOKENS``. Reported per run: TTFT p50 / p90 (from a request's scheduled arrival, or a turn's
 send), output tokens/s and requests/s (first arrival to last finish), the prefix cache's hit
 rate; then each workload's TTFT p50 (off / on) and throughput (on / off) ratios.
 """
@@ -34,6 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serving  # noqa: E402
 
 QUICK = dict(num_requests=16, system_len=512, conversations=6, turns=4)
+# Each workload's KV pool unless --kv-cache-tokens is given: system_prompt's holds about 24
+# uncached Orca reservations (prompt + max_tokens each); multi_turn's holds every conversation's
+# whole history, so nothing cached is evicted before its next turn.
+KV_CACHE_TOKENS = {"system_prompt": 16384, "multi_turn": 32768}
 
 
 @dataclass
@@ -167,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rate", type=float, default=4.0, help="system_prompt: requests/s")
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--message-len", type=int, nargs=2, default=[128, 256],
+    parser.add_argument("--message-len", type=int, nargs=2, default=[256, 512],
                         metavar=("MIN", "MAX"))
     parser.add_argument("--answer-len", type=int, default=64)
     parser.add_argument("--conversation-rate", type=float, default=2.0,
@@ -176,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"a small run on a busy machine: {QUICK}")
     serving.add_engine_args(parser)
-    parser.set_defaults(kv_cache_tokens=16384, max_batch_size=64)
+    parser.set_defaults(max_batch_size=64)
     parser.add_argument("--json", default=None, help="write the JSON record here")
     args = serving.parse_with_quick(parser, argv, QUICK)
 
@@ -199,7 +203,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             for caching in (False, True):
                 config = EngineConfig(loaded, policy=policy, max_batch_size=args.max_batch_size,
                                       block_size=args.block_size,
-                                      kv_cache_tokens=args.kv_cache_tokens,
+                                      kv_cache_tokens=(args.kv_cache_tokens
+                                                       or KV_CACHE_TOKENS[workload]),
                                       enable_prefix_caching=caching)
                 engine = AsyncEngine(build_engine(config))
                 try:  # one-time costs first, on prompts the streams never send
