@@ -13,9 +13,10 @@ Two workloads, each run in-process (``AsyncEngine``) on one loaded model (defaul
   previous answer (``--answer-len`` tokens) is back.
 Prompts are random token ids (no special tokens), every request greedy with ``ignore_eos``, and
 the streams are a function of the arguments and ``--seed`` only, so both settings see the same
-requests. Both settings get the same KV pool: ``--kv-cache-tokens``, else ``KV_CACHE_TOKENS``. Reported per run: TTFT p50 / p90 (from a request's scheduled arrival, or a turn's
-send), output tokens/s and requests/s (first arrival to last finish), the prefix cache's hit
-rate; then each workload's TTFT p50 (off / on) and throughput (on / off) ratios.
+requests. Both settings get the same KV pool: ``--kv-cache-tokens``, else ``KV_CACHE_TOKENS``.
+Reported per run: TTFT p50 / p90 (from a request's scheduled arrival, or a turn's send), output
+tokens/s and requests/s (first arrival to last finish), the prefix cache's hit rate; then each
+workload's TTFT p50 (off / on) and throughput (on / off) ratios.
 """
 from __future__ import annotations
 
