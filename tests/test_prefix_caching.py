@@ -14,6 +14,7 @@ from engine_fakes import KVFakeRunner, _real_allocator, reference
 
 from orca_ext.config import EngineConfig
 from orca_ext.engine import Engine
+from orca_ext.outputs import RequestOutput
 from orca_ext.request import Request
 from orca_ext.sampling_params import SamplingParams
 from orca_ext.scheduler import SchedulerConfig, make_scheduler
@@ -143,7 +144,7 @@ def _engine(policy: str = "orca", num_blocks: int = 32, block_size: int = 4,
                   vocab_size=VOCAB)
 
 
-def _run(engine: Engine) -> dict[str, list[int]]:
+def _run(engine: Engine) -> dict[str, RequestOutput]:
     done = {}
     while engine.has_unfinished():
         done.update((o.request_id, o) for o in engine.step() if o.finished)
