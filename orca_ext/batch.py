@@ -16,12 +16,16 @@ from .sampling_params import SamplingParams
 @dataclass
 class NewRequestData:
     """A request the runner has not seen yet (new, or back after a preemption): what stays the
-    same for its life, sent once. Its tokens arrive as its ``ScheduledRequest.token_ids``; the
-    first ``num_prompt_tokens`` of them are the prompt."""
+    same for its life, sent once. Its tokens are ``computed_token_ids`` then its
+    ``ScheduledRequest.token_ids``; the first ``num_prompt_tokens`` of them are the prompt.
+    ``computed_token_ids`` are the tokens whose KV its first blocks already hold (a prefix found
+    in the prefix cache): the runner does not run them but keeps them in its token history, so
+    the first ``ScheduledRequest.num_computed`` equals their number."""
 
     request_id: int
     num_prompt_tokens: int
     sampling_params: SamplingParams
+    computed_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

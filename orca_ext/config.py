@@ -6,6 +6,7 @@ all build one and pass it to ``build_engine`` (vLLM's ``EngineArgs`` in one data
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,7 +30,9 @@ class EngineConfig:
     distributed), the cache holds ``max_batch_size`` full-context requests, capped by memory
     (``kv.plan_kv_blocks``). With ``tensor_parallel_size`` x ``pipeline_parallel_size`` > 1 (or a
     ``parallel_config``: more nodes, the stage-to-layer map, threads) the model runs on worker
-    processes (``orca_ext.distributed``)."""
+    processes (``orca_ext.distributed``). ``enable_prefix_caching`` (None: on for the orca and
+    paged policies, off for request, which cannot use it) reuses the KV of cached prompt
+    prefixes."""
 
     model: str | LoadedModel = DEFAULT_MODEL
     dtype: torch.dtype | str = "auto"
@@ -44,6 +47,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     parallel_config: ParallelConfig | None = None
+    enable_prefix_caching: bool | None = None
 
     def __post_init__(self) -> None:
         if self.device is None and not isinstance(self.model, str):
@@ -72,6 +76,8 @@ class EngineConfig:
                              f"kv_cache_memory={self.kv_cache_memory}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.enable_prefix_caching is None:
+            self.enable_prefix_caching = self.policy != "request"
         self.parallel_config = _parallel_config(self.tensor_parallel_size,
                                                 self.pipeline_parallel_size, self.parallel_config)
         if self.parallel_config is not None:
@@ -88,7 +94,18 @@ class EngineConfig:
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.policy, self.max_batch_size, self.pipeline_parallel_size,
-                               self.max_num_batched_tokens)
+                               self.max_num_batched_tokens, bool(self.enable_prefix_caching),
+                               self.prefix_cache_salt())
+
+    def prefix_cache_salt(self) -> int:
+        """The block hashes' extra key: a stable signed 64-bit digest of what, besides the
+        tokens, decides their KV (the model and its dtype)."""
+        if isinstance(self.model, str):
+            what = f"{self.model}|{self.dtype}"
+        else:
+            what = f"{self.model.config!r}|{self.model.dtype}"
+        digest = hashlib.blake2b(what.encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little", signed=True)
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -299,4 +299,5 @@ class Engine:
                 None if seq.logprobs is None else list(seq.logprobs),
                 request.finish_reason, request.stop_reason))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,
-                             all(o.finished() for o in outputs), dataclasses.replace(group.metrics))
+                             all(o.finished() for o in outputs), dataclasses.replace(group.metrics),
+                             group.sequences[0].request.num_cached_tokens or 0)

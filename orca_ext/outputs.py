@@ -38,3 +38,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # Prompt tokens whose KV came from the prefix cache (the first sample's), as OpenAI's
+    # usage.prompt_tokens_details.cached_tokens.
+    num_cached_tokens: int = 0

@@ -28,6 +28,11 @@ class Request:
     # KV blocks the runner has been told of; None: the runner does not know the request (it is
     # new, or was preempted and its state dropped).
     num_sent_blocks: int | None = None
+    # Prefix caching: hashes of the full blocks of all_token_ids known so far (the prompt's at
+    # arrival, then each block once its KV is computed); the prompt tokens reused from the
+    # cache at the first admission (None until admitted).
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string
 

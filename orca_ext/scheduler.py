@@ -5,6 +5,9 @@ The scheduler moves request ids, token ids and KV block ids only, never tensors:
 the blocks added), and the runner builds the tensors from its own copy.
 Requests are served first-come first-served: every policy walks them in arrival order and stops
 (never skips ahead) at the first one that does not fit, so a later request never overtakes.
+With prefix caching (orca and paged), a request admitted with a cached prefix of full blocks
+shares those blocks and starts with ``num_computed`` at the prefix's end; every full block whose
+KV is computed is registered in the cache (docs/internals.md, "Prefix caching in the scheduler").
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ class SchedulerConfig:
     max_batch_size: int = 32
     num_batches_in_flight: int = 1  # Orca's pipelining: batches handed out and not yet returned
     max_num_batched_tokens: int | None = None  # paged only: per-iteration budget (chunked prefill)
+    enable_prefix_caching: bool = False  # orca and paged only
+    prefix_cache_salt: int = 0  # the block hashes' extra_key: whatever else changes the KV
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -44,6 +49,13 @@ class SchedulerConfig:
             if self.max_num_batched_tokens < 1:
                 raise ValueError(f"max_num_batched_tokens must be >= 1, got "
                                  f"{self.max_num_batched_tokens}")
+        if self.enable_prefix_caching and self.policy == "request":
+            raise ValueError("enable_prefix_caching needs policy 'orca' or 'paged', got "
+                             "policy='request' (its padding and re-run finished rows write "
+                             "into blocks a cache would share)")
+        if not -2**63 <= self.prefix_cache_salt < 2**63:
+            raise ValueError(f"prefix_cache_salt must fit in 64 signed bits, got "
+                             f"{self.prefix_cache_salt}")
 
 
 @dataclass
@@ -54,10 +66,20 @@ class SchedulerStats:
     num_used_blocks: int
     num_blocks: int
     num_preemptions: int  # since start
+    num_cached_blocks: int = 0  # blocks in the prefix cache (held or evictable)
+    # Since start, as vLLM counts them: tokens of the requests admitted with caching on (their
+    # prompts, and outputs when recomputed after a preemption), and of those, tokens reused.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def kv_usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
+
+    @property
+    def prefix_cache_usage(self) -> float:
+        """The prefix cache's share of the KV pool."""
+        return self.num_cached_blocks / self.num_blocks
 
 
 class Scheduler:
@@ -74,6 +96,7 @@ class Scheduler:
         self.running: list[Request] = []  # holding KV, in arrival order
         self.requests: dict[int, Request] = {}  # every unfinished request
         self.num_preemptions = 0
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
         self._batches: dict[int, Picked] = {}
         self._next_batch_id = 0
         self._ended: list[int] = []  # ids to report in the next batch's finished_request_ids
@@ -98,6 +121,9 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id} is already scheduled")
         self.check_fits(len(request.prompt_token_ids), request.max_new_tokens)
+        if self.config.enable_prefix_caching:
+            request.block_hashes = self.allocator.block_hashes(
+                request.prompt_token_ids, self.config.prefix_cache_salt)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -132,9 +158,9 @@ class Scheduler:
         for request, num_new in picked:
             request.in_flight = True
             if request.num_sent_blocks is None:
-                new_requests.append(NewRequestData(request.request_id,
-                                                   len(request.prompt_token_ids),
-                                                   request.sampling_params))
+                new_requests.append(NewRequestData(
+                    request.request_id, len(request.prompt_token_ids), request.sampling_params,
+                    request.all_token_ids[:request.num_computed]))
                 request.num_sent_blocks = 0
             num_blocks = self.allocator.capacity(request.request_id) // block_size
             new_block_ids = []
@@ -163,6 +189,8 @@ class Scheduler:
                 self._release(request)
             else:
                 request.num_computed += num_new
+                if self.config.enable_prefix_caching:
+                    self._cache_computed_blocks(request, num_new)
                 by_id[request.request_id] = request
         updated = []
         for request_id, token_id in zip(output.request_ids, output.sampled_token_ids):
@@ -176,9 +204,11 @@ class Scheduler:
         return updated
 
     def stats(self) -> SchedulerStats:
+        alloc = self.allocator
+        cached = alloc.num_cached_blocks if self.config.enable_prefix_caching else 0
         return SchedulerStats(len(self.waiting), len(self.running), len(self._batches),
-                              self.allocator.num_used_blocks, self.allocator.num_blocks,
-                              self.num_preemptions)
+                              alloc.num_used_blocks, alloc.num_blocks, self.num_preemptions,
+                              cached, self.prefix_cache_queries, self.prefix_cache_hits)
 
     def _select(self) -> Picked:
         raise NotImplementedError
@@ -187,14 +217,44 @@ class Scheduler:
         """Padding tokens to run after ``request``'s scheduled tokens (request-level only)."""
         return 0
 
-    def _admit(self, request: Request, num_tokens: int) -> bool:
-        """Move the oldest waiting request to running with KV for ``num_tokens``, if it fits."""
-        if not self.allocator.can_allocate(num_tokens):
+    def _prefix_hashes(self, request: Request) -> list[int]:
+        """The hashes ``request`` may look up at admission: its full blocks before the one
+        holding its last token (that token is always computed, for the logits)."""
+        if not self.config.enable_prefix_caching:
+            return []
+        return request.block_hashes[:(request.num_tokens - 1) // self.allocator.block_size]
+
+    def _admit(self, request: Request, num_tokens: int, prefix_hashes: list[int]) -> bool:
+        """Move the oldest waiting request to running with KV for ``num_tokens``, sharing the
+        cached blocks of the longest cached prefix of ``prefix_hashes``, if it fits; its
+        ``num_computed`` starts at the tokens reused."""
+        if not self.allocator.can_allocate(num_tokens, prefix_hashes):
             return False
-        self.allocator.allocate(request.request_id, num_tokens)
+        request.num_computed = self.allocator.allocate(request.request_id, num_tokens,
+                                                       prefix_hashes)
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = request.num_computed
+        if self.config.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += request.num_computed
         self.waiting.popleft()
         bisect.insort(self.running, request, key=lambda r: r.request_id)  # ids follow arrival
         return True
+
+    def _cache_computed_blocks(self, request: Request, num_new: int) -> None:
+        """Register ``request``'s full blocks whose KV is computed, after ``num_new`` more
+        tokens were: prompt and output blocks alike (a next turn resending the answer hits)."""
+        block_size = self.allocator.block_size
+        num_full = request.num_computed // block_size
+        if num_full == (request.num_computed - num_new) // block_size:
+            return  # no block completed in this batch
+        hashes = request.block_hashes
+        if num_full > len(hashes):
+            start = len(hashes) * block_size
+            hashes.extend(self.allocator.block_hashes(
+                request.all_token_ids[start:num_full * block_size],
+                self.config.prefix_cache_salt, hashes[-1] if hashes else None))
+        self.allocator.cache_blocks(request.request_id, hashes[:num_full])
 
     def _release(self, request: Request) -> None:
         if request.request_id in self.allocator:
@@ -216,10 +276,12 @@ class OrcaScheduler(Scheduler):
                 return batch
             batch.append((request, request.num_tokens - request.num_computed))
         while self.waiting and len(batch) < max_batch_size:
+            # The reservation counts only the blocks it newly takes: shared cached blocks stay
+            # held by it until it ends, so no other request's end can starve it.
             request = self.waiting[0]
-            if not self._admit(request, request.max_total_tokens):
+            if not self._admit(request, request.max_total_tokens, self._prefix_hashes(request)):
                 break
-            batch.append((request, request.num_tokens))
+            batch.append((request, request.num_tokens - request.num_computed))
         return batch
 
 
@@ -315,10 +377,15 @@ class PagedScheduler(Scheduler):
             budget -= num_new
         if self.num_preemptions != preemptions:
             return batch  # memory is short: let the running requests drain first
+        block_size = self.allocator.block_size
         while self.waiting and len(batch) < max_batch_size and budget > 0:
             request = self.waiting[0]
-            num_new = min(request.num_tokens, budget)
-            if not self._admit(request, num_new):
+            prefix = self._prefix_hashes(request)
+            if prefix:
+                prefix = prefix[:self.allocator.num_cached_prefix_blocks(prefix)]
+            num_cached = len(prefix) * block_size  # reused tokens cost no budget
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self._admit(request, num_cached + num_new, prefix):
                 break
             batch.append((request, num_new))
             budget -= num_new

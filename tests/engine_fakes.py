@@ -3,7 +3,8 @@ that really stores and reads back KV, tokenizers, and the reference generation t
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Sequence
 
 import pytest
 
@@ -44,15 +45,24 @@ class FakeSlotAllocator:
             raise UnknownRequestError(request_id)
         return self._blocks[request_id]
 
-    def can_allocate(self, num_tokens: int) -> bool:
+    def can_allocate(self, num_tokens: int, prefix_hashes: Sequence[int] = ()) -> bool:
+        self._no_prefix(prefix_hashes)
         return self._need(num_tokens) <= len(self._free)
 
-    def allocate(self, request_id: int, num_tokens: int) -> None:
+    def allocate(self, request_id: int, num_tokens: int, prefix_hashes: Sequence[int] = ()) -> int:
+        """As the real one, with no prefix cache: 0 cached tokens reused."""
         if request_id in self._blocks:
             raise ValueError(f"request {request_id} already holds blocks")
-        if not self.can_allocate(num_tokens):
+        if not self.can_allocate(num_tokens, prefix_hashes):
             raise KVCacheFullError(num_tokens)
         self._blocks[request_id] = [self._free.pop() for _ in range(self._need(num_tokens))]
+        return 0
+
+    @staticmethod
+    def _no_prefix(prefix_hashes: Sequence[int]) -> None:
+        if prefix_hashes:
+            raise NotImplementedError(f"the fake allocator has no prefix cache, got "
+                                      f"{len(prefix_hashes)} prefix hashes")
 
     def extend(self, request_id: int, total_tokens: int) -> None:
         blocks = self._get(request_id)
@@ -108,7 +118,9 @@ def reference(prompt: list[int], max_tokens: int, vocab: int, stop_ids=(), seed:
 class KVFakeRunner:
     """An executor that stores each token in its KV slot and computes the next token from the
     context it reads back through the block table: wrong block tables, positions or recompute
-    after preemption give wrong tokens (and a clear assertion)."""
+    after preemption give wrong tokens (and a clear assertion). Only the read-only cached
+    prefix blocks (the allocator's ``shared_prefix_blocks``) may be held by two live requests,
+    and no batch writes into them."""
 
     def __init__(self, allocator, vocab: int = 95) -> None:
         self.allocator = allocator
@@ -122,9 +134,16 @@ class KVFakeRunner:
         self.batches.append(out)
         reqs = out.requests
         inputs = self.inputs.prepare(out)
-        held = [b for state in self.inputs.requests.values() for b in state.block_ids]
-        assert len(held) == len(set(held)), "two live requests hold the same KV block"
         meta = inputs.meta
+        # Requests that ended since this batch was scheduled keep their state until the next
+        # batch's finished_request_ids; they never run again, so only live ones are checked.
+        live = [s for rid, s in self.inputs.requests.items() if rid in self.allocator]
+        read_only = self.read_only_blocks()
+        held = Counter(b for state in live for b in state.block_ids)
+        shared = {b for b, count in held.items() if count > 1}
+        assert shared <= read_only, f"two live requests hold writable KV blocks {shared}"
+        written = {slot // self.allocator.block_size for slot in meta.slot_mapping.tolist()}
+        assert not written & read_only, f"a batch writes cached KV blocks {written & read_only}"
         num_rows = [len(r.token_ids) + r.num_padding for r in reqs]
         expected_pos = [r.num_computed + i for r, n in zip(reqs, num_rows) for i in range(n)]
         assert inputs.positions.tolist() == expected_pos
@@ -149,6 +168,14 @@ class KVFakeRunner:
             logprobs.append(None if k is None else TokenLogprobs(
                 -0.25, {(token + i) % self.vocab: -0.25 * (i + 1) for i in range(k)}))
         return RunnerOutput(out.batch_id, sampled_ids, sampled, logprobs)
+
+
+    def read_only_blocks(self) -> set[int]:
+        """The cached (hashed) prefix blocks of the requests the allocator still holds."""
+        if not hasattr(self.allocator, "shared_prefix_blocks"):
+            return set()
+        return {b for rid, state in self.inputs.requests.items() if rid in self.allocator
+                for b in state.block_ids[:self.allocator.shared_prefix_blocks(rid)]}
 
 
 class PipelinedFakeExecutor:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_fakes import ALLOCATORS, KVFakeRunner, reference
+from engine_fakes import ALLOCATORS, KVFakeRunner, _real_allocator, reference
 
 from orca_ext.request import Request
 from orca_ext.sampling_params import SamplingParams
@@ -20,10 +20,11 @@ class Harness:
     """A scheduler, an allocator and a fake runner, with every invariant checked each step."""
 
     def __init__(self, allocator_cls, policy="orca", num_blocks=64, block_size=4,
-                 max_batch_size=8, num_batches_in_flight=1, max_num_batched_tokens=None):
+                 max_batch_size=8, num_batches_in_flight=1, max_num_batched_tokens=None,
+                 prefix_caching=False):
         self.allocator = allocator_cls(num_blocks, block_size)
         self.config = SchedulerConfig(policy, max_batch_size, num_batches_in_flight,
-                                      max_num_batched_tokens)
+                                      max_num_batched_tokens, prefix_caching)
         self.scheduler = make_scheduler(self.config, self.allocator)
         self.runner = KVFakeRunner(self.allocator, VOCAB)
         self.requests: list[Request] = []  # in arrival order (= id order)
@@ -31,9 +32,11 @@ class Harness:
         self.pending = deque()
         self.steps = 0
 
-    def add(self, prompt_len: int, max_tokens: int) -> Request:
+    def add(self, prompt_len: int, max_tokens: int, prompt: list[int] | None = None) -> Request:
+        """A request for ``prompt`` (default: ``prompt_len`` tokens of its own)."""
         rid = len(self.requests)
-        prompt = [(rid * 13 + i) % VOCAB for i in range(prompt_len)]
+        if prompt is None:
+            prompt = [(rid * 13 + i) % VOCAB for i in range(prompt_len)]
         request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0),
                           max_tokens)
         self.scheduler.add_request(request)
@@ -68,10 +71,14 @@ class Harness:
         assert not in_flight & set(ids), "a request inside an in-flight batch was selected again"
         if self.config.max_num_batched_tokens is not None:
             assert out.num_tokens <= self.config.max_num_batched_tokens
-        if self.config.policy == "orca":  # a prompt runs whole, in its first iteration
+        if self.config.policy == "orca":  # a prompt (past its cached prefix) runs whole, at once
             for r in out.requests:
                 request = self.scheduler.requests[r.request_id]
-                assert r.num_computed > 0 or r.token_ids == request.prompt_token_ids
+                prompt = request.prompt_token_ids
+                assert (r.num_computed + len(r.token_ids) > len(prompt)
+                        or r.token_ids == prompt[r.num_computed:])
+        for r in out.requests:  # at least one token computed: a cached prefix stops before it
+            assert r.token_ids and r.num_computed < self.requests[r.request_id].num_tokens
         for r in out.requests:
             self.iterations[r.request_id] += 1
 
@@ -80,14 +87,22 @@ class Harness:
         assert alloc.num_used_blocks + alloc.num_free_blocks == alloc.num_blocks
         holders = [r for r in sched.running]
         blocks = [b for r in holders for b in alloc.blocks(r.request_id)]
-        assert len(blocks) == len(set(blocks)), "a block is held by two requests"
+        if self.config.enable_prefix_caching:  # only read-only cached prefix blocks are shared
+            alloc.check_invariants()
+            read_only = {b for r in holders for b in
+                         alloc.blocks(r.request_id)[:alloc.shared_prefix_blocks(r.request_id)]}
+            assert {b for b in blocks if blocks.count(b) > 1} <= read_only
+            assert len(set(blocks)) == alloc.num_used_blocks
+        else:
+            assert len(blocks) == len(set(blocks)), "a block is held by two requests"
         assert all(r.request_id not in alloc for r in sched.waiting)
         if self.config.policy in ("orca", "request"):  # n_rsrv <= n_slots, in whole blocks
             assert sched.num_preemptions == 0
             bs = alloc.block_size
-            n_rsrv = sum(-(-r.max_total_tokens // bs) * bs for r in holders)
+            # What each request newly reserved: shared blocks count once.
+            n_rsrv = len(set(blocks)) * bs
             assert n_rsrv <= alloc.num_blocks * bs
-            for r in holders:
+            for r in holders:  # never starved: it holds all it will need
                 assert alloc.capacity(r.request_id) >= r.max_total_tokens
         if self.config.num_batches_in_flight == 1:  # FCFS: earlier never ran fewer iterations
             live = [self.iterations[r.request_id] for r in self.requests if not r.finished]
@@ -99,6 +114,11 @@ class Harness:
                 assert r.output_token_ids == reference(r.prompt_token_ids, r.max_new_tokens, VOCAB)
         assert self.allocator.num_used_blocks == 0
         assert self.allocator.num_requests == 0
+        assert self.allocator.num_free_blocks == self.allocator.num_blocks
+        if self.config.enable_prefix_caching:
+            self.allocator.check_invariants()
+            assert all(self.allocator.ref_count(b) == 0
+                       for b in range(self.allocator.num_blocks))
 
 
 @pytest.fixture(params=ALLOCATORS)
@@ -281,3 +301,117 @@ def test_random_streams(allocator_cls, policy, stream, block_size, extra, max_ba
     h.run()
     h.check_outputs()
     assert h.allocator.num_free_blocks == num_blocks
+
+
+# Prefix caching (the real allocator only: the fake has no cache).
+SYSTEM = [(7 * i + 3) % VOCAB for i in range(48)]  # a shared "system prompt"
+
+
+def test_prefix_hit_runs_only_the_rest():
+    h = Harness(_real_allocator(), "orca", block_size=4, prefix_caching=True)
+    first = h.add(0, 3, SYSTEM[:10])
+    h.run()
+    second = h.add(0, 3, SYSTEM[:10] + [1, 2])
+    out = h.scheduler.schedule()
+    (new,), (row,) = out.new_requests, out.requests
+    # Its first two blocks are cached; its third (holding its last token) differs anyway.
+    assert row.num_computed == 8 and row.token_ids == second.prompt_token_ids[8:]
+    assert new.computed_token_ids == SYSTEM[:8]
+    assert second.num_cached_tokens == 8 and first.num_cached_tokens == 0
+    assert h.allocator.blocks(second.request_id)[:2] == row.new_block_ids[:2]
+    h.pending.append(out)
+    h.run()
+    h.check_outputs()
+    assert h.allocator.prefix_hits == 8
+
+
+def test_prefix_of_a_cached_prompt_computes_its_last_token():
+    """A prompt that is exactly a cached block sequence still computes its last token."""
+    h = Harness(_real_allocator(), "paged", block_size=4, prefix_caching=True)
+    h.add(0, 2, SYSTEM[:12])
+    h.run()
+    again = h.add(0, 2, SYSTEM[:12])
+    one_block = h.add(0, 2, SYSTEM[:4])
+    out = h.scheduler.schedule()
+    rows = {r.request_id: r for r in out.requests}
+    assert rows[again.request_id].num_computed == 8
+    assert rows[again.request_id].token_ids == SYSTEM[8:12]
+    assert rows[one_block.request_id].num_computed == 0  # its only block holds its last token
+    h.pending.append(out)
+    h.run()
+    h.check_outputs()
+
+
+def test_orca_reserves_only_the_blocks_it_newly_takes():
+    """Two requests sharing 8 of their 12 prompt blocks fit a pool that holds one alone
+    (12 + 4 = 16 blocks) plus the other's 4 new prompt blocks and 4 output blocks."""
+    h = Harness(_real_allocator(), "orca", num_blocks=24, block_size=4, prefix_caching=True)
+    h.add(0, 16, SYSTEM[:32] + [1] * 16)
+    h.step()  # the first computes and caches its prompt
+    h.add(0, 16, SYSTEM[:32] + [2] * 16)
+    h.step()
+    assert len(h.scheduler.running) == 2  # without sharing it would need 16 + 16 > 24 blocks
+    h.scheduler.abort(0)  # the shared blocks' other holder ends: the second keeps them
+    h.run()
+    h.check_outputs()
+
+
+def test_paged_recompute_hits_its_own_cached_blocks():
+    h = Harness(_real_allocator(), "paged", num_blocks=12, block_size=4, max_batch_size=4,
+                prefix_caching=True)
+    h.add(10, 30)
+    second = h.add(10, 30)
+    h.run()
+    h.check_outputs()
+    assert h.scheduler.num_preemptions > 0
+    rows = [r for b in h.runner.batches for r in b.requests if r.request_id == second.request_id]
+    restarts = [i for i, r in enumerate(rows) if i and r.num_computed < rows[i - 1].num_computed
+                + len(rows[i - 1].token_ids)]
+    assert restarts and any(rows[i].num_computed > 0 for i in restarts)
+
+
+def test_prefix_caching_needs_orca_or_paged():
+    with pytest.raises(ValueError, match="policy='request'"):
+        SchedulerConfig("request", enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="prefix_cache_salt"):
+        SchedulerConfig(prefix_cache_salt=2**63)
+
+
+# Arrivals sharing prefixes of one system prompt, and later turns resending an earlier request's
+# prompt and answer; aborts; every invariant each step, the whole pool reclaimable at the end.
+shared_events = st.lists(st.tuples(st.integers(0, 2),  # arrivals this step
+                                   st.integers(0, 40),  # tokens of the system prompt
+                                   st.integers(0, 10),  # own tokens
+                                   st.integers(1, 12),  # max tokens
+                                   st.integers(0, 4),  # 0: a next turn of an earlier request
+                                   st.integers(0, 9)),  # 0: abort a random live request
+                         min_size=1, max_size=30)
+
+
+@pytest.mark.parametrize("policy", ["orca", "paged"])
+@settings(max_examples=40, deadline=None)
+@given(stream=shared_events, block_size=st.sampled_from([1, 4, 16]), extra=st.integers(0, 64),
+       max_batch_size=st.integers(1, 6), in_flight=st.sampled_from([1, 1, 2]),
+       budget=st.sampled_from([None, 4, 16]), data=st.data())
+def test_random_streams_prefix_caching(policy, stream, block_size, extra, max_batch_size,
+                                       in_flight, budget, data):
+    num_blocks = -(-80 // block_size) + extra // block_size  # every request fits alone
+    h = Harness(_real_allocator(), policy, num_blocks=num_blocks, block_size=block_size,
+                max_batch_size=max_batch_size, num_batches_in_flight=in_flight,
+                max_num_batched_tokens=budget if policy == "paged" else None,
+                prefix_caching=True)
+    for arrivals, shared, own, max_tokens, turn, abort in stream:
+        for _ in range(arrivals):
+            rid = len(h.requests)
+            prompt = SYSTEM[:shared] + [(rid * 13 + i) % VOCAB for i in range(own)]
+            done = [r for r in h.requests if r.finish_reason == "length"]
+            if turn == 0 and done:
+                earlier = data.draw(st.sampled_from(done))
+                prompt = (earlier.all_token_ids + prompt)[:64]
+            h.add(0, max_tokens, prompt or [1])
+        live = sorted(h.scheduler.requests)
+        if abort == 0 and live:
+            h.scheduler.abort(data.draw(st.sampled_from(live)))
+        h.step()
+    h.run()
+    h.check_outputs()

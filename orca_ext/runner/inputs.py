@@ -91,7 +91,8 @@ class InputBatch:
             self.requests.pop(request_id, None)
         for new in scheduler_output.new_requests:
             self.requests[new.request_id] = RequestState(new.request_id, new.num_prompt_tokens,
-                                                         new.sampling_params)
+                                                         new.sampling_params,
+                                                         token_ids=list(new.computed_token_ids))
         for r in scheduler_output.requests:
             state = self.requests[r.request_id]
             state.block_ids.extend(r.new_block_ids)

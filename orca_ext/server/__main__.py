@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--kv-cache-memory", type=parse_size, default=None,
                       help="KV cache size in bytes, e.g. 4GiB")
     kv.add_argument("--block-size", type=_positive, default=16, help="KV block size in tokens")
+    kv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                    default=None, help="reuse the KV of cached prompt prefixes (default: on for "
+                    "the orca and paged policies; the request policy cannot)")
     srv = p.add_argument_group("server")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
                      "127.0.0.1; 0.0.0.0 for all interfaces)")
@@ -200,7 +203,8 @@ def _summary(loaded: Any, engine: Any) -> list[str]:
         f"KV cache: {allocator.num_blocks} blocks x {allocator.block_size} tokens = "
         f"{allocator.num_blocks * allocator.block_size} tokens, {kv_bytes / 2**20:.1f} MiB; "
         f"policy {engine.scheduler.config.policy}, max batch size "
-        f"{engine.scheduler.config.max_batch_size}",
+        f"{engine.scheduler.config.max_batch_size}, prefix caching "
+        f"{'on' if engine.scheduler.config.enable_prefix_caching else 'off'}",
     ]
 
 
@@ -312,6 +316,7 @@ def build_core(args: argparse.Namespace, parallel: Any) -> tuple[Any, list[str]]
                           policy=args.policy, max_num_batched_tokens=args.max_num_batched_tokens,
                           block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
                           kv_cache_memory=args.kv_cache_memory,
+                          enable_prefix_caching=args.enable_prefix_caching,
                           parallel_config=parallel if parallel.enabled else None)
     if parallel.enabled:  # the workers load the weights; this process only the tokenizer
         loaded = load_model_info(args.model)

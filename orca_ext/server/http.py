@@ -26,7 +26,7 @@ from .protocol import (
     APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
     CompletionResponse, ErrorResponse, Health, ModelList, TokenText, chat_logprobs,
     chat_response, completion_logprobs, completion_response, finish_fields, now, parse_body,
-    usage, usage_of,
+    usage_of,
 )
 
 T = TypeVar("T")
@@ -391,7 +391,6 @@ async def _chat_chunks(generation: Generation, body: ChatCompletionRequest, n: i
             output = generation.latest[0]
             yield {"id": request_id, "object": "chat.completion.chunk", "created": created,
                    "model": model, "choices": [],
-                   "usage": usage(len(output.prompt_token_ids),
-                                  sum(len(c.token_ids) for c in output.outputs))}
+                   "usage": usage_of([output])}
     finally:
         await generation.aclose()

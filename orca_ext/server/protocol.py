@@ -280,10 +280,15 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -377,14 +382,16 @@ class Health(BaseModel):
 # ---------------------------------------------------------------------------------------------
 # Responses (plain dicts: they go straight to JSON)
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def usage_of(outputs: list[RequestOutput]) -> dict[str, int]:
+def usage_of(outputs: list[RequestOutput]) -> dict[str, Any]:
     return usage(sum(len(o.prompt_token_ids) for o in outputs),
-                 sum(len(c.token_ids) for o in outputs for c in o.outputs))
+                 sum(len(c.token_ids) for o in outputs for c in o.outputs),
+                 sum(o.num_cached_tokens for o in outputs))
 
 
 def _byte_level_chars() -> dict[str, int]:
@@ -479,13 +486,13 @@ def finish_fields(output: CompletionOutput) -> dict[str, Any]:
 
 
 def completion_response(request_id: str, model: str, created: int,
-                        choices: list[dict[str, Any]], usage_: dict[str, int]) -> dict[str, Any]:
+                        choices: list[dict[str, Any]], usage_: dict[str, Any]) -> dict[str, Any]:
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage_}
 
 
 def chat_response(request_id: str, model: str, created: int, choices: list[dict[str, Any]],
-                  usage_: dict[str, int]) -> dict[str, Any]:
+                  usage_: dict[str, Any]) -> dict[str, Any]:
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage_}
 
