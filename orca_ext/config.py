@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .model.builtin import DEFAULT_MODEL
-from .model.loader import resolve_dtype
+from .model.loader import resolve_dtype, runs_quantized
 from .scheduler import SchedulerConfig
 
 if TYPE_CHECKING:
@@ -29,7 +29,9 @@ class EngineConfig:
     distributed), the cache holds ``max_batch_size`` full-context requests, capped by memory
     (``kv.plan_kv_blocks``). With ``tensor_parallel_size`` x ``pipeline_parallel_size`` > 1 (or a
     ``parallel_config``: more nodes, the stage-to-layer map, threads) the model runs on worker
-    processes (``orca_ext.distributed``)."""
+    processes (``orca_ext.distributed``). ``quantization`` (``model/quantized.py``): None runs a
+    GGUF file in its stored formats, ``"none"`` dequantizes, ``"q8_0"`` / ``"q4_0"`` /
+    ``"q4_1"`` quantize every linear weight at load (CPU, one process)."""
 
     model: str | LoadedModel = DEFAULT_MODEL
     dtype: torch.dtype | str = "auto"
@@ -44,6 +46,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     parallel_config: ParallelConfig | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.device is None and not isinstance(self.model, str):
@@ -55,8 +58,17 @@ class EngineConfig:
         except RuntimeError as exc:
             raise ValueError(f"device: {self.device!r} is not a device ({exc})") from None
         self.device = str(device)
+        in_process = self.parallel_config is None and \
+            self.tensor_parallel_size * self.pipeline_parallel_size == 1
         if isinstance(self.model, str):
-            self.dtype = resolve_dtype(self.dtype, device)
+            if not in_process and self.quantization not in (None, "none"):
+                raise ValueError(f"quantization: {self.quantization!r} runs in one process; "
+                                 "distributed workers load float weights")
+            quantized = in_process and runs_quantized(self.model, self.quantization, device)
+            self.dtype = resolve_dtype(self.dtype, device, quantized)
+        elif self.quantization is not None:
+            raise ValueError(f"quantization: {self.quantization!r} asked for a loaded model; "
+                             "pass quantization to load_model, or pass the model's name")
         elif self.dtype != "auto" and resolve_dtype(self.dtype, device) != self.model.dtype:
             raise ValueError(f"dtype: {self.dtype} asked for a model loaded in "
                              f"{self.model.dtype}; load it in that dtype, or pass its name")

@@ -115,3 +115,17 @@ def _quantized_linear_fake(x, qweight, format, in_features, bias=None, activatio
                            norm_eps=1e-5):
     n = qweight.shape[0] // 2 if activation == "silu_and_mul" else qweight.shape[0]
     return x.new_empty((x.shape[0], n))
+
+
+def quantized_embedding(ids: torch.Tensor, qweight: torch.Tensor, format: str,
+                        embedding_dim: int) -> torch.Tensor:
+    """float32 rows ``[T, embedding_dim]`` of a table held as GGUF blocks ``qweight`` (uint8
+    ``[num_embeddings, embedding_dim / 32 * block_bytes]`` of ``format``, as in
+    ``quantized_linear``) for the token ids ``ids [T]`` (int64 or int32): only the rows looked up
+    are dequantized (CPU only)."""
+    return torch.ops.orca.quantized_embedding(ids, qweight, format, embedding_dim)
+
+
+@torch.library.register_fake("orca::quantized_embedding")
+def _quantized_embedding_fake(ids, qweight, format, embedding_dim):
+    return qweight.new_empty((ids.shape[0], embedding_dim), dtype=torch.float32)

@@ -48,7 +48,7 @@ def hf_tokenizer(gguf_path):
 
 @pytest.fixture(scope="module")
 def loaded():
-    return load_model(DEFAULT_MODEL, "float32")
+    return load_model(DEFAULT_MODEL, "float32", quantization="none")
 
 
 def test_config_from_the_file_metadata(loaded):
@@ -137,8 +137,8 @@ def test_tokenizer_equals_transformers_on_mixed_text(hf_tokenizer):
 
 @pytest.fixture(scope="module")
 def real_server():
-    server = ServerProcess("--model", DEFAULT_MODEL, "--dtype", "float32",
-                           "--kv-cache-tokens", "8192").start()
+    server = ServerProcess("--model", DEFAULT_MODEL, "--dtype", "float32", "--quantization",
+                           "none", "--kv-cache-tokens", "8192").start()
     yield server
     server.stop()
 
