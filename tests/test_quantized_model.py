@@ -308,6 +308,13 @@ def test_config_errors_name_the_bad_value(kwargs, message):
         EngineConfig("orca-tiny", **kwargs)
 
 
+def test_a_quantized_model_is_not_saved_as_a_folder(tmp_path):
+    from orca_ext.model import save_pretrained_folder
+
+    with pytest.raises(ValueError, match="load it with quantization='none' to save it"):
+        save_pretrained_folder(load_model("orca-tiny", quantization="q4_0"), tmp_path)
+
+
 def test_loaded_model_takes_no_quantization():
     loaded = load_model("orca-tiny")
     with pytest.raises(ValueError, match="quantization: 'q8_0' asked for a loaded model"):

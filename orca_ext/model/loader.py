@@ -275,6 +275,9 @@ def _init_random_quantized(model: nn.Module, config: ModelConfig,
 def save_pretrained_folder(loaded: LoadedModel, path: str | Path) -> Path:
     """Write ``loaded`` as a Hugging Face folder: config.json, model.safetensors,
     generation_config.json, tokenizer.json and tokenizer_config.json."""
+    if any(p.dtype == torch.uint8 for p in loaded.model.parameters()):
+        raise ValueError("save_pretrained_folder saves float weights; this model holds GGUF "
+                         "blocks (load it with quantization='none' to save it)")
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     config = loaded.config
