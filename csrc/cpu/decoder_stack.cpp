@@ -98,8 +98,8 @@ void dispatch_activation(Activation act, const Fn& f) {
   }
 }
 
-// One linear of the stack: its input rows [T, K], its weight (GGUF blocks where format is set)
-// and epilogue, and this thread's scratch (floats: T * K, int8: the int8 activations' bytes).
+// One linear of the stack: its input rows [T, K], its weight (GGUF blocks where format is set),
+// its epilogue's bias and residual, and its output [T, N].
 template <typename scalar_t>
 struct LinearStep {
   const scalar_t* rows;
@@ -114,6 +114,7 @@ struct LinearStep {
 
 // This thread's blocks of a skinny linear, split as at::parallel_for splits packed_linear's (or
 // quantized_linear's, whose dot path takes the same blocks and grain).
+// floats (T * K) and int8 (the int8 activations' bytes) are this thread's scratch.
 template <typename scalar_t>
 void linear_share(const StackShape& s, Activation act, const LinearStep<scalar_t>& step,
                   float* floats, uint8_t* int8, int tid, int nth) {

@@ -51,7 +51,7 @@ inline bool uses_int8_activations(cpu::quant::Isa isa, int64_t T) {
 // residual, W the GGUF blocks w ([N, K], or [2N, K] gate rows then up rows for silu_and_mul):
 // each block's dot products on x (float32 [T, K]) or on x_int8 (its int8 blocks, where
 // uses_int8_activations), up to kMaxDotTokens tokens at a time, then its epilogue. residual may
-// be out.
+// be out; y_gate and y_up are scratch of T * kSkinnyBlock floats (y_up for silu_and_mul only).
 template <typename scalar_t, Activation act>
 void quant_dot_blocks(cpu::quant::Isa isa, cpu::quant::Format fmt, const float* x,
                       const uint8_t* x_int8, int64_t T, int64_t K, const uint8_t* w,
