@@ -12,7 +12,8 @@ TORCH_LIBRARY(orca, m) {
         "Tensor? norm_bias=None, float norm_eps=1e-05) -> Tensor");
   m.def("quantized_linear(Tensor x, Tensor qweight, str format, int in_features, Tensor? bias, "
         "str activation=\"none\", Tensor? residual=None, str norm=\"none\", "
-        "Tensor? norm_weight=None, Tensor? norm_bias=None, float norm_eps=1e-05) -> Tensor");
+        "Tensor? norm_weight=None, Tensor? norm_bias=None, float norm_eps=1e-05, "
+        "bool int8_activations=True) -> Tensor");
   m.def("quantized_embedding(Tensor ids, Tensor qweight, str format, int embedding_dim) -> "
         "Tensor");
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "

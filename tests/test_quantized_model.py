@@ -321,3 +321,21 @@ def test_loaded_model_takes_no_quantization():
         EngineConfig(loaded, quantization="q8_0")
     with pytest.raises(ValueError, match="quantization must be None or one of"):
         load_model("orca-tiny", quantization="Q8_0")
+
+
+def test_float_activations_on_request(monkeypatch):
+    """``int8_activations=False`` runs the avx512_vnni path's one- and two-token steps on the
+    activations as given: the float avx512 path's results (the output heads' logits)."""
+    if "avx512_vnni" not in _C.quant_isas():
+        pytest.skip("this CPU does not run the avx512_vnni path")
+    q = quantize_weight(torch.randn(70, 96), "q4_1")
+    op = torch.ops.orca.quantized_linear.default
+    for T in (1, 2):
+        x = torch.randn(T, 96)
+        monkeypatch.setenv("ORCA_QUANT_ISA", "avx512")
+        want = ops.quantized_linear(x, q, "q4_1", 96)
+        monkeypatch.setenv("ORCA_QUANT_ISA", "avx512_vnni")
+        assert torch.equal(ops.quantized_linear(x, q, "q4_1", 96, int8_activations=False), want)
+        assert not torch.equal(ops.quantized_linear(x, q, "q4_1", 96), want)
+        torch.library.opcheck(op, (x, q, "q4_1", 96, None, "none", None, "none", None, None,
+                                   1e-5, False))

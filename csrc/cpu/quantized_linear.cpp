@@ -177,7 +177,8 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
                                 const std::optional<at::Tensor>& residual_in,
                                 c10::string_view norm,
                                 const std::optional<at::Tensor>& norm_weight,
-                                const std::optional<at::Tensor>& norm_bias, double norm_eps) {
+                                const std::optional<at::Tensor>& norm_bias, double norm_eps,
+                                bool int8_activations) {
   const auto [fmt, act, input_norm] =
       check_quantized_linear_inputs(x_in, qweight_in, format, in_features, bias_in, activation,
                                     residual_in, norm, norm_weight, norm_bias, norm_eps);
@@ -199,7 +200,7 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
     if (T <= (std::is_same_v<scalar_t, float> ? kDotMaxTFloat : kDotMaxTBf16)) {
       const at::Tensor x_float = x.to(at::kFloat).contiguous();
       at::Tensor x_int8;
-      if (uses_int8_activations(isa, T)) {
+      if (int8_activations && uses_int8_activations(isa, T)) {
         x_int8 = at::empty({cpu::quant::int8_activation_bytes(T, K)}, x.options().dtype(at::kByte));
         cpu::quant::quantize_activations(fmt, x_float.data_ptr<float>(), T, K,
                                          x_int8.data_ptr());

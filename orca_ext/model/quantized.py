@@ -78,14 +78,16 @@ class QuantizedLinear(Layer):
 
     def logits(self, x: torch.Tensor, norm: LayerNorm | RMSNorm | None = None) -> torch.Tensor:
         """float32 logits ``norm(x) @ weight.T``: quantized_linear on float32 rows (bfloat16
-        rows normalized in their dtype first, as ``Linear.logits`` does)."""
+        rows normalized in their dtype first, as ``Linear.logits`` does), never rounded to int8:
+        that rounding of a one-token step's final hidden state flipped near-tied greedy tokens
+        (SmolLM2's answer to "What is the capital of France?")."""
         if self.bias is not None or self.activation != "none":
             raise ValueError("logits are computed without a bias or activation")
         if x.dtype != torch.float32:
             x, norm = (x if norm is None else norm(x)).float(), None
         norm_args = () if norm is None else norm.fused_args()
         return ops.quantized_linear(x, self.weight, self.format, self.in_features, None, "none",
-                                    None, *norm_args)
+                                    None, *norm_args, int8_activations=False)
 
 
 class QuantizedEmbedding(Layer):
