@@ -1,9 +1,10 @@
 """Quality: sliding-window perplexity, ours and transformers on the same weights, per dtype; for
-a lower-precision dtype also the mean KL divergence of its next-token distributions from the
-float32 ones.
+a lower-precision dtype (or ours quantized) also the mean KL divergence of its next-token
+distributions from the float32 ones.
 
     python bench/perplexity.py [--model smollm2-135m-instruct] [--text FILE]
         [--dtypes float32 bfloat16] [--window 512] [--stride 256] [--max-tokens 4096]
+        [--quantization none|stored|q8_0|q4_0|q4_1] [--decode-steps]
 
 The text defaults to the English documentation every Python ships (``pydoc_data/topics.py``).
 Each window of ``--window`` tokens (moving by ``--stride``) scores its tokens after the first
@@ -11,7 +12,10 @@ Each window of ``--window`` tokens (moving by ``--stride``) scores its tokens af
 transformers loads the same weights: a GGUF through its own GGUF loader (or, with
 ``--transformers-from folder``, from our dequantized weights saved as a Hugging Face folder),
 anything else from our model saved as a Hugging Face folder. The KL reference is transformers'
-float32 distribution, for both sides.
+float32 distribution, for both sides. ``--quantization`` loads ours quantized (``stored``: a
+GGUF file's formats as stored, the engine's default) against transformers on the dequantized
+weights: native against dequantized float32. ``--decode-steps`` scores ours one token per step
+(a window's prefill only up to its first scored position), as decoding computes them.
 """
 from __future__ import annotations
 
@@ -48,6 +52,26 @@ def our_logits(loaded: LoadedModel, tokens: list[int]) -> torch.Tensor:
         hidden = loaded.model(torch.tensor(tokens), meta[4], kv_cache,
                               AttentionMetadata(*meta[:4]))
         return loaded.model.compute_logits(hidden, torch.arange(n)).float()
+
+
+def our_step_logits(loaded: LoadedModel, tokens: list[int], first: int) -> torch.Tensor:
+    """float32 logits of positions ``first`` to ``len(tokens) - 2`` of one window (the rest
+    zero): the window up to ``first`` as one prefill, then one decode step per token (one-token
+    steps, the path decode takes: int8 activations on avx512_vnni for a quantized model)."""
+    n = len(tokens)
+    allocator = SlotAllocator(-(-n // 16), 16)
+    allocator.allocate(0, n)
+    kv_cache = KVCache(loaded.config, -(-n // 16), 16, loaded.dtype)
+    out = torch.zeros(n, loaded.config.vocab_size)
+    with torch.inference_mode():
+        done = 0
+        for end in range(first + 1, n):
+            meta = allocator.build_metadata([0], [done], [end - done])
+            hidden = loaded.model(torch.tensor(tokens[done:end]), meta[4], kv_cache,
+                                  AttentionMetadata(*meta[:4]))
+            out[end - 1] = loaded.model.compute_logits(hidden, torch.tensor([end - 1 - done]))[0]
+            done = end
+    return out
 
 
 def hf_logits(model, tokens: list[int]) -> torch.Tensor:
@@ -90,6 +114,12 @@ def main() -> int:
                         help="a GGUF model: transformers loads the file itself (gguf; its "
                              "non-float32 GGUF models compute in float32 on packed weights) or our "
                              "dequantized weights saved as a Hugging Face folder (folder)")
+    parser.add_argument("--quantization", default="none",
+                        choices=("none", "stored", "q8_0", "q4_0", "q4_1"),
+                        help="our weights: dequantized (none, default), a GGUF file's formats as "
+                             "stored (stored), or quantized at load")
+    parser.add_argument("--decode-steps", action="store_true",
+                        help="ours scores each window's tokens one decode step at a time")
     parser.add_argument("--max-tokens", type=int, default=4096,
                         help="score the first N tokens of the text (0: all)")
     args = parser.parse_args()
@@ -104,34 +134,44 @@ def main() -> int:
     print(f"{args.model}: {len(tokens)} tokens of {args.text or 'pydoc_data/topics.py'}, "
           f"{len(spans)} windows of {args.window} (stride {args.stride}), "
           f"{torch.get_num_threads()} threads", flush=True)
+    quantization = None if args.quantization == "stored" else args.quantization
     reference: list[torch.Tensor] = []  # transformers' float32 log-probabilities per window
     results = []
     with tempfile.TemporaryDirectory() as scratch:
         for dtype_name in ["float32", *[d for d in args.dtypes if d != "float32"]]:
-            loaded = load_model(args.model, dtype_name)
-            hf = load_transformers(args.model, loaded, loaded.dtype, Path(scratch),
+            loaded = load_model(args.model, dtype_name, quantization=quantization)
+            # transformers gets float weights: a folder is saved from our dequantized model.
+            unquantized = loaded if quantization == "none" else load_model(
+                args.model, dtype_name, quantization="none")
+            hf = load_transformers(args.model, unquantized, loaded.dtype, Path(scratch),
                                    args.transformers_from)
+            del unquantized
+            quantized_side = quantization != "none"
             sums = {"ours": [0.0, 0.0], "transformers": [0.0, 0.0]}  # nll, kl
             count, start_time = 0, time.perf_counter()
             for i, (start, end, first) in enumerate(spans):
                 window = tokens[start:end]
                 targets = torch.tensor(window[first + 1:])
-                for side, logits in (("ours", our_logits(loaded, window)),
-                                     ("transformers", hf_logits(hf, window))):
+                # transformers first: its float32 side is the KL reference.
+                for side, logits in (("transformers", hf_logits(hf, window)),
+                                     ("ours", our_step_logits(loaded, window, first)
+                                      if args.decode_steps else our_logits(loaded, window))):
                     logp = F.log_softmax(logits[first:-1], dim=-1)
                     sums[side][0] += F.nll_loss(logp, targets, reduction="sum").item()
                     if dtype_name == "float32" and side == "transformers":
                         reference.append(logp)
-                    elif dtype_name != "float32":
+                    elif dtype_name != "float32" or quantized_side:
                         sums[side][1] += F.kl_div(logp, reference[i], log_target=True,
                                                   reduction="sum").item()
                 count += len(targets)
             seconds = time.perf_counter() - start_time
             for side, (nll, kl) in sums.items():
+                with_kl = dtype_name != "float32" or (quantized_side and side == "ours")
                 results.append((dtype_name, side, math.exp(nll / count),
-                                kl / count if dtype_name != "float32" else None))
+                                kl / count if with_kl else None))
             print(f"  {dtype_name}: {count} tokens scored in {seconds:.0f} s", flush=True)
             del hf, loaded
+    print(f"\nours: quantization {args.quantization}")
     print(f"\n{'dtype':<10} {'engine':<13} {'perplexity':>11} {'mean KL vs float32':>20}")
     for dtype_name, side, ppl, kl in results:
         kl_text = "-" if kl is None else f"{kl:.2e}"

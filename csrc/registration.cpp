@@ -12,7 +12,10 @@ TORCH_LIBRARY(orca, m) {
         "Tensor? norm_bias=None, float norm_eps=1e-05) -> Tensor");
   m.def("quantized_linear(Tensor x, Tensor qweight, str format, int in_features, Tensor? bias, "
         "str activation=\"none\", Tensor? residual=None, str norm=\"none\", "
-        "Tensor? norm_weight=None, Tensor? norm_bias=None, float norm_eps=1e-05) -> Tensor");
+        "Tensor? norm_weight=None, Tensor? norm_bias=None, float norm_eps=1e-05, "
+        "bool int8_activations=True) -> Tensor");
+  m.def("quantized_embedding(Tensor ids, Tensor qweight, str format, int embedding_dim) -> "
+        "Tensor");
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()");
   m.def("ragged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_q_lens, "
@@ -28,6 +31,13 @@ TORCH_LIBRARY(orca, m) {
             torch::arg("out_bias"), torch::arg("mlp_norm_weight"), torch::arg("mlp_norm_bias"),
             torch::arg("up_weight"), torch::arg("up_bias"), torch::arg("down_weight"),
             torch::arg("down_bias"), torch::arg("scale")})
+      .def("add_quantized_layer", &orca::DecoderStack::add_quantized_layer, "",
+           {torch::arg("attn_norm_weight"), torch::arg("attn_norm_bias"),
+            torch::arg("qkv_weight"), torch::arg("qkv_format"), torch::arg("qkv_bias"),
+            torch::arg("out_weight"), torch::arg("out_format"), torch::arg("out_bias"),
+            torch::arg("mlp_norm_weight"), torch::arg("mlp_norm_bias"), torch::arg("up_weight"),
+            torch::arg("up_format"), torch::arg("up_bias"), torch::arg("down_weight"),
+            torch::arg("down_format"), torch::arg("down_bias"), torch::arg("scale")})
       .def("forward", &orca::DecoderStack::forward, "",
            {torch::arg("x"), torch::arg("k_caches"), torch::arg("v_caches"),
             torch::arg("cu_q_lens"), torch::arg("context_lens"), torch::arg("block_table"),

@@ -25,7 +25,7 @@ def build_engine(config: EngineConfig) -> Engine:
 
         return build_distributed_engine(config)
     if isinstance(config.model, str):
-        loaded = load_model(config.model, config.dtype, config.device)
+        loaded = load_model(config.model, config.dtype, config.device, config.quantization)
     else:
         loaded = config.model
     loaded = with_context(loaded, config.max_model_len)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .model.builtin import DEFAULT_MODEL
-from .model.loader import resolve_dtype
+from .model.loader import resolve_dtype, runs_quantized
 from .scheduler import SchedulerConfig
 
 if TYPE_CHECKING:
@@ -32,7 +32,9 @@ class EngineConfig:
     ``parallel_config``: more nodes, the stage-to-layer map, threads) the model runs on worker
     processes (``orca_ext.distributed``). ``enable_prefix_caching`` (None: on for the orca and
     paged policies, off for request, which cannot use it) reuses the KV of cached prompt
-    prefixes."""
+    prefixes. ``quantization`` (``model/quantized.py``): None runs a GGUF file in its stored
+    formats, ``"none"`` dequantizes, ``"q8_0"`` / ``"q4_0"`` / ``"q4_1"`` quantize every linear
+    weight at load (CPU, one process)."""
 
     model: str | LoadedModel = DEFAULT_MODEL
     dtype: torch.dtype | str = "auto"
@@ -48,6 +50,7 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     parallel_config: ParallelConfig | None = None
     enable_prefix_caching: bool | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.device is None and not isinstance(self.model, str):
@@ -59,8 +62,17 @@ class EngineConfig:
         except RuntimeError as exc:
             raise ValueError(f"device: {self.device!r} is not a device ({exc})") from None
         self.device = str(device)
+        in_process = self.parallel_config is None and \
+            self.tensor_parallel_size * self.pipeline_parallel_size == 1
         if isinstance(self.model, str):
-            self.dtype = resolve_dtype(self.dtype, device)
+            if not in_process and self.quantization not in (None, "none"):
+                raise ValueError(f"quantization: {self.quantization!r} runs in one process; "
+                                 "distributed workers load float weights")
+            quantized = in_process and runs_quantized(self.model, self.quantization, device)
+            self.dtype = resolve_dtype(self.dtype, device, quantized)
+        elif self.quantization is not None:
+            raise ValueError(f"quantization: {self.quantization!r} asked for a loaded model; "
+                             "pass quantization to load_model, or pass the model's name")
         elif self.dtype != "auto" and resolve_dtype(self.dtype, device) != self.model.dtype:
             raise ValueError(f"dtype: {self.dtype} asked for a model loaded in "
                              f"{self.model.dtype}; load it in that dtype, or pass its name")
@@ -99,9 +111,9 @@ class EngineConfig:
 
     def prefix_cache_salt(self) -> int:
         """The block hashes' extra key: a stable signed 64-bit digest of what, besides the
-        tokens, decides their KV (the model and its dtype)."""
+        tokens, decides their KV (the model, its dtype and quantization)."""
         if isinstance(self.model, str):
-            what = f"{self.model}|{self.dtype}"
+            what = f"{self.model}|{self.dtype}|{self.quantization}"
         else:
             what = f"{self.model.config!r}|{self.model.dtype}"
         digest = hashlib.blake2b(what.encode(), digest_size=8).digest()

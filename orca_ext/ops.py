@@ -92,7 +92,7 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, format: str, in_fea
                      residual: torch.Tensor | None = None, norm: str = "none",
                      norm_weight: torch.Tensor | None = None,
                      norm_bias: torch.Tensor | None = None,
-                     norm_eps: float = 1e-5) -> torch.Tensor:
+                     norm_eps: float = 1e-5, int8_activations: bool = True) -> torch.Tensor:
     """``packed_linear`` with the weight ``[N, in_features]`` held as GGUF blocks: ``qweight``
     is uint8 ``[N, in_features / 32 * block_bytes]``, each row the blocks llama.cpp stores for
     ``format`` (``q8_0``: 34 bytes, ``q4_0``: 18, ``q4_1``: 20 per 32 weights; see
@@ -103,15 +103,31 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, format: str, in_fea
     the environment variable ``ORCA_QUANT_ISA=portable|avx2|avx512|avx512_vnni`` forces one.
     ``avx512_vnni`` (the default where the CPU has it) rounds the activations of up to 2 tokens
     to int8 per block of 32, as llama.cpp does (an error of up to ``max |x| / 254`` of the
-    block per activation); the other paths use them as given.
+    block per activation); the other paths use them as given, and so does it with
+    ``int8_activations=False`` (the models' output heads: the rounding flips near-tied tokens).
     """
     return torch.ops.orca.quantized_linear(x, qweight, format, in_features, bias, activation,
-                                           residual, norm, norm_weight, norm_bias, norm_eps)
+                                           residual, norm, norm_weight, norm_bias, norm_eps,
+                                           int8_activations)
 
 
 @torch.library.register_fake("orca::quantized_linear")
 def _quantized_linear_fake(x, qweight, format, in_features, bias=None, activation="none",
                            residual=None, norm="none", norm_weight=None, norm_bias=None,
-                           norm_eps=1e-5):
+                           norm_eps=1e-5, int8_activations=True):
     n = qweight.shape[0] // 2 if activation == "silu_and_mul" else qweight.shape[0]
     return x.new_empty((x.shape[0], n))
+
+
+def quantized_embedding(ids: torch.Tensor, qweight: torch.Tensor, format: str,
+                        embedding_dim: int) -> torch.Tensor:
+    """float32 rows ``[T, embedding_dim]`` of a table held as GGUF blocks ``qweight`` (uint8
+    ``[num_embeddings, embedding_dim / 32 * block_bytes]`` of ``format``, as in
+    ``quantized_linear``) for the token ids ``ids [T]`` (int64 or int32): only the rows looked up
+    are dequantized (CPU only)."""
+    return torch.ops.orca.quantized_embedding(ids, qweight, format, embedding_dim)
+
+
+@torch.library.register_fake("orca::quantized_embedding")
+def _quantized_embedding_fake(ids, qweight, format, embedding_dim):
+    return qweight.new_empty((ids.shape[0], embedding_dim), dtype=torch.float32)

@@ -48,7 +48,38 @@ def hf_tokenizer(gguf_path):
 
 @pytest.fixture(scope="module")
 def loaded():
+    return load_model(DEFAULT_MODEL, "float32", quantization="none")
+
+
+@pytest.fixture(scope="module")
+def native():
+    """The file's own formats, as the engine runs it by default."""
     return load_model(DEFAULT_MODEL, "float32")
+
+
+def test_stored_formats_stay_quantized(native):
+    """The Q4_1 linears and the tied Q8_0 embedding as stored: under 120 MB of weights, against
+    538 MB dequantized to float32."""
+    model = native.model
+    assert model.embed.format == "q8_0" and model.lm_head.weight is model.embed.weight
+    assert {lin.format for b in model.layers
+            for lin in (b.attn.qkv, b.attn.out, b.mlp.gate_up, b.mlp.down)} == {"q4_1"}
+    weights = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
+    assert weights <= 120e6
+
+
+def test_stored_formats_greedy_answers_match_dequantized(native, loaded, hf_tokenizer):
+    """Greedy chat answers on the stored formats (int8 activations in decode steps on
+    avx512_vnni) against the dequantized float32 model: most equal (bench/quantized_model.py
+    measures 32 questions)."""
+    params = SamplingParams(temperature=0, max_tokens=32)
+    prompts = [_chat_ids(hf_tokenizer, q) for q in QUESTIONS]
+    answers = [[list(o.outputs[0].token_ids) for o in
+                LLM(m, max_batch_size=4, kv_cache_tokens=2048).generate(prompts, params,
+                                                                         use_tqdm=False)]
+               for m in (native, loaded)]
+    equal = sum(a == b for a, b in zip(*answers))
+    assert equal >= 4, f"{equal} of {len(QUESTIONS)} greedy answers equal"
 
 
 def test_config_from_the_file_metadata(loaded):
@@ -137,8 +168,8 @@ def test_tokenizer_equals_transformers_on_mixed_text(hf_tokenizer):
 
 @pytest.fixture(scope="module")
 def real_server():
-    server = ServerProcess("--model", DEFAULT_MODEL, "--dtype", "float32",
-                           "--kv-cache-tokens", "8192").start()
+    server = ServerProcess("--model", DEFAULT_MODEL, "--dtype", "float32", "--quantization",
+                           "none", "--kv-cache-tokens", "8192").start()
     yield server
     server.stop()
 

@@ -18,6 +18,7 @@
 
 #include "attention_plan.h"
 #include "orca/cpu/norm.h"
+#include "quant_blocks.h"
 #include "skinny_blocks.h"
 
 namespace orca {
@@ -27,6 +28,7 @@ struct StackShape {
   int64_t T, hidden, num_heads, num_kv_heads, head_dim, qkv_width, inter;
   NormKind norm;
   Activation act;
+  cpu::quant::Isa isa;  // the quantized linears' kernels (chosen_quant_isa, once per call)
 };
 
 // q and k heads of qkv rows [T, stride] rotated in place (neox rotate-half), by cos / sin
@@ -85,22 +87,62 @@ const void* kernel_input(const scalar_t* rows, int64_t n, float* buf) {
   }
 }
 
-// This thread's blocks of a skinny linear, split as at::parallel_for splits packed_linear's.
+// f.template operator()<a>() for the activation act.
+template <typename Fn>
+void dispatch_activation(Activation act, const Fn& f) {
+  switch (act) {
+    case Activation::kNone: return f.template operator()<Activation::kNone>();
+    case Activation::kGeluTanh: return f.template operator()<Activation::kGeluTanh>();
+    case Activation::kRelu: return f.template operator()<Activation::kRelu>();
+    case Activation::kSiluAndMul: return f.template operator()<Activation::kSiluAndMul>();
+  }
+}
+
+// One linear of the stack: its input rows [T, K], its weight (GGUF blocks where format is set),
+// its epilogue's bias and residual, and its output [T, N].
 template <typename scalar_t>
-void linear_share(int64_t T, Activation act, const void* x, const at::Tensor& weight,
-                  const std::optional<at::Tensor>& bias, const scalar_t* residual,
-                  scalar_t* out, int64_t N, int tid, int nth) {
-  const int64_t K = weight.size(1);
+struct LinearStep {
+  const scalar_t* rows;
+  int64_t K;
+  const at::Tensor& weight;
+  std::optional<cpu::quant::Format> format;
+  const std::optional<at::Tensor>& bias;
+  const scalar_t* residual;
+  scalar_t* out;
+  int64_t N;
+};
+
+// This thread's blocks of a skinny linear, split as at::parallel_for splits packed_linear's (or
+// quantized_linear's, whose dot path takes the same blocks and grain).
+// floats (T * K) and int8 (the int8 activations' bytes) are this thread's scratch.
+template <typename scalar_t>
+void linear_share(const StackShape& s, Activation act, const LinearStep<scalar_t>& step,
+                  float* floats, uint8_t* int8, int tid, int nth) {
+  const int64_t T = s.T, K = step.K, N = step.N;
   const int64_t blocks = ceil_div(N, kSkinnyBlock);
   const int64_t workers = std::min<int64_t>(nth, ceil_div(blocks, skinny_grain(K, act)));
   if (tid >= workers) return;
   const int64_t chunk = ceil_div(blocks, workers);
   const int64_t begin = tid * chunk, end = std::min(blocks, begin + chunk);
   if (begin >= end) return;
-  const scalar_t* w = weight.data_ptr<scalar_t>();
-  const scalar_t* b = bias ? bias->data_ptr<scalar_t>() : nullptr;
+  const scalar_t* b = step.bias ? step.bias->template data_ptr<scalar_t>() : nullptr;
+  if (step.format) {
+    // As quantized_linear: the rows as float32, rounded to int8 blocks for the int8 kernels.
+    for (int64_t i = 0; i < T * K; ++i) floats[i] = static_cast<float>(step.rows[i]);
+    const bool use_int8 = uses_int8_activations(s.isa, T);
+    if (use_int8) cpu::quant::quantize_activations(*step.format, floats, T, K, int8);
+    float y[2][kSkinnyMaxT * kSkinnyBlock];
+    dispatch_activation(act, [&]<Activation a>() {
+      quant_dot_blocks<scalar_t, a>(s.isa, *step.format, floats, use_int8 ? int8 : nullptr, T,
+                                    K, step.weight.template data_ptr<uint8_t>(), b, step.residual,
+                                    step.out, N, begin, end, y[0], y[1]);
+    });
+    return;
+  }
+  const void* x = kernel_input(step.rows, T * K, floats);
+  const scalar_t* w = step.weight.template data_ptr<scalar_t>();
   dispatch_skinny(T, act, [&]<int kT, Activation a>() {
-    skinny_blocks<kT, scalar_t, a>(x, w, K, N, b, residual, out, begin, end);
+    skinny_blocks<kT, scalar_t, a>(x, w, K, N, b, step.residual, step.out, begin, end);
   });
 }
 
@@ -142,6 +184,8 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
              mid = at::empty({T, s.inter}, opts);
   at::Tensor normed = at::empty({nth, T * H}, opts);
   at::Tensor floats = at::empty({nth, T * widest}, opts.dtype(at::kFloat));
+  const int64_t int8_bytes = cpu::quant::int8_activation_bytes(T, widest);
+  at::Tensor int8 = at::empty({nth, int8_bytes}, opts.dtype(at::kByte));
   at::Tensor part_o = at::empty({plan.partial_rows, D}, opts.dtype(at::kFloat));
   at::Tensor part_ml = at::empty({2, plan.partial_rows}, opts.dtype(at::kFloat));
   const cpu::Partials part{part_o.data_ptr<float>(), part_ml.data_ptr<float>(),
@@ -165,6 +209,7 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
     thread_local cpu::AttentionScratch scratch;
     scalar_t* my_normed = normed.data_ptr<scalar_t>() + tid * T * H;
     float* my_floats = floats.data_ptr<float>() + tid * T * widest;
+    uint8_t* my_int8 = int8.data_ptr<uint8_t>() + tid * int8_bytes;
     // Step 2l is layer l's attention half, 2l + 1 its MLP half; each ends in a linear whose
     // epilogue adds the residual, or not (a tensor-parallel rank's partial sum).
     scalar_t* residual = add_residual ? xp : nullptr;
@@ -173,18 +218,19 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
       const DecoderStack::Layer& w = layers[l];
       if (step % 2 == 1) {
         normalize(xp, s, w.mlp_norm, w.mlp_norm_bias, eps, my_normed);
-        linear_share<scalar_t>(T, s.act, kernel_input(my_normed, T * H, my_floats), w.up,
-                               w.up_bias, nullptr, mid_p, s.inter, tid, team);
+        linear_share<scalar_t>(s, s.act, {my_normed, H, w.up, w.up_format, w.up_bias, nullptr,
+                                          mid_p, s.inter}, my_floats, my_int8, tid, team);
 #pragma omp barrier
-        linear_share<scalar_t>(T, Activation::kNone,
-                               kernel_input(mid_p, T * s.inter, my_floats), w.down, w.down_bias,
-                               residual, xp, H, tid, team);
+        linear_share<scalar_t>(s, Activation::kNone, {mid_p, s.inter, w.down, w.down_format,
+                                                      w.down_bias, residual, xp, H},
+                               my_floats, my_int8, tid, team);
 #pragma omp barrier
         continue;
       }
       normalize(xp, s, w.attn_norm, w.attn_norm_bias, eps, my_normed);
-      linear_share<scalar_t>(T, Activation::kNone, kernel_input(my_normed, T * H, my_floats),
-                             w.qkv, w.qkv_bias, nullptr, qkv_p, s.qkv_width, tid, team);
+      linear_share<scalar_t>(s, Activation::kNone, {my_normed, H, w.qkv, w.qkv_format,
+                                                    w.qkv_bias, nullptr, qkv_p, s.qkv_width},
+                             my_floats, my_int8, tid, team);
 #pragma omp barrier
       if (tid == 0) {
         if (rot_cos) {
@@ -212,9 +258,9 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
         }
       }
 #pragma omp barrier
-      linear_share<scalar_t>(T, Activation::kNone,
-                             kernel_input(attn_p, T * s.num_heads * D, my_floats), w.out,
-                             w.out_bias, residual, xp, H, tid, team);
+      linear_share<scalar_t>(s, Activation::kNone, {attn_p, s.num_heads * D, w.out,
+                                                    w.out_format, w.out_bias, residual, xp, H},
+                             my_floats, my_int8, tid, team);
 #pragma omp barrier
     }
   }
@@ -257,10 +303,10 @@ void DecoderStack::add_layer(
               "'s qkv_weight is on ", qkv_weight.device());
   const int64_t hidden = qkv_weight.size(1);
   if (l > 0) {
-    TORCH_CHECK(qkv_weight.scalar_type() == layers_[0].qkv.scalar_type() && hidden == hidden_,
+    TORCH_CHECK(qkv_weight.scalar_type() == dtype_ && hidden == hidden_,
                 "layer ", l, "'s qkv_weight is ", qkv_weight.scalar_type(), " ",
-                shape_str(qkv_weight), "; layer 0's is ", layers_[0].qkv.scalar_type(), " ",
-                shape_str(layers_[0].qkv));
+                shape_str(qkv_weight), "; the stack's layers are ", dtype_, ", ", hidden_,
+                " wide");
   }
   const int64_t qkv_width = (num_heads_ + 2 * num_kv_heads_) * head_dim_;
   TORCH_CHECK(qkv_weight.size(0) == qkv_width, "layer ", l, "'s qkv_weight must have "
@@ -304,31 +350,110 @@ void DecoderStack::add_layer(
                         mlp_norm_weight, mlp_norm_bias, norm_eps_);
   });
   const int64_t inter = act_ == Activation::kSiluAndMul ? up_weight.size(0) / 2 : up_weight.size(0);
-  TORCH_CHECK(l == 0 || inter == inter_, "layer ", l, "'s MLP width ", inter,
-              " differs from layer 0's ", inter_);
   checked("down", [&] {
     check_linear_inputs(at::empty({1, inter}, opts), down_weight, down_bias, "none", x, "none",
                         std::nullopt, std::nullopt, norm_eps_);
   });
+  const auto contiguous = [](const std::optional<at::Tensor>& t) {
+    return t ? std::optional(t->contiguous()) : std::nullopt;
+  };
+  push_layer({attn_norm_weight.contiguous(), qkv_weight.contiguous(), out_weight.contiguous(),
+              mlp_norm_weight.contiguous(), up_weight.contiguous(), down_weight.contiguous(),
+              contiguous(attn_norm_bias), contiguous(qkv_bias), contiguous(out_bias),
+              contiguous(mlp_norm_bias), contiguous(up_bias), contiguous(down_bias), scale},
+             qkv_weight.scalar_type(), hidden, inter);
+}
+
+void DecoderStack::add_quantized_layer(
+    const at::Tensor& attn_norm_weight, const std::optional<at::Tensor>& attn_norm_bias,
+    const at::Tensor& qkv_weight, const std::string& qkv_format,
+    const std::optional<at::Tensor>& qkv_bias, const at::Tensor& out_weight,
+    const std::string& out_format, const std::optional<at::Tensor>& out_bias,
+    const at::Tensor& mlp_norm_weight, const std::optional<at::Tensor>& mlp_norm_bias,
+    const at::Tensor& up_weight, const std::string& up_format,
+    const std::optional<at::Tensor>& up_bias, const at::Tensor& down_weight,
+    const std::string& down_format, const std::optional<at::Tensor>& down_bias, double scale) {
+  const int64_t l = num_layers();
+  check_dim(attn_norm_weight, "attn_norm_weight", 1, "[hidden]");
+  TORCH_CHECK(attn_norm_weight.device().is_cpu(), "DecoderStack runs on the CPU; layer ", l,
+              "'s attn_norm_weight is on ", attn_norm_weight.device());
+  const at::ScalarType dtype = attn_norm_weight.scalar_type();
+  const int64_t hidden = attn_norm_weight.size(0);
+  TORCH_CHECK(l == 0 || (dtype == dtype_ && hidden == hidden_), "layer ", l,
+              "'s attn_norm_weight is ", dtype, " ", shape_str(attn_norm_weight),
+              "; the stack's layers are ", dtype_, ", ", hidden_, " wide");
+  const int64_t qkv_width = (num_heads_ + 2 * num_kv_heads_) * head_dim_;
+  check_dim(qkv_weight, "qkv_weight", 2, "[(num_heads + 2 * num_kv_heads) * head_dim, bytes]");
+  TORCH_CHECK(qkv_weight.size(0) == qkv_width, "layer ", l, "'s qkv_weight must have "
+              "(num_heads + 2 * num_kv_heads) * head_dim = ", qkv_width, " rows, got shape ",
+              shape_str(qkv_weight));
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, "scale must be a finite positive number, got ",
+              scale, " for layer ", l);
+  // Stand-ins of each linear's input, for quantized_linear's checks of the weights.
+  const auto opts = attn_norm_weight.options();
+  const at::Tensor x = at::empty({1, hidden}, opts);
+  const std::string norm = norm_ == NormKind::kLayerNorm ? "layer_norm" : "rms_norm";
+  std::optional<cpu::quant::Format> qkv, out, up, down;
+  const auto checked = [&](const char* linear, std::optional<cpu::quant::Format>& format,
+                           const auto& check) {
+    try {
+      format = check().format;
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "layer ", l, "'s ", linear, " linear: ", e.msg());
+    }
+  };
+  checked("qkv", qkv, [&] {
+    return check_quantized_linear_inputs(x, qkv_weight, qkv_format, hidden, qkv_bias, "none",
+                                         std::nullopt, norm, attn_norm_weight, attn_norm_bias,
+                                         norm_eps_);
+  });
+  checked("out", out, [&] {
+    return check_quantized_linear_inputs(at::empty({1, num_heads_ * head_dim_}, opts), out_weight,
+                                         out_format, num_heads_ * head_dim_, out_bias, "none", x,
+                                         "none", std::nullopt, std::nullopt, norm_eps_);
+  });
+  checked("up", up, [&] {
+    return check_quantized_linear_inputs(x, up_weight, up_format, hidden, up_bias,
+                                         activation_name_, std::nullopt, norm, mlp_norm_weight,
+                                         mlp_norm_bias, norm_eps_);
+  });
+  const int64_t inter = act_ == Activation::kSiluAndMul ? up_weight.size(0) / 2 : up_weight.size(0);
+  checked("down", down, [&] {
+    return check_quantized_linear_inputs(at::empty({1, inter}, opts), down_weight, down_format,
+                                         inter, down_bias, "none", x, "none", std::nullopt,
+                                         std::nullopt, norm_eps_);
+  });
+  const auto contiguous = [](const std::optional<at::Tensor>& t) {
+    return t ? std::optional(t->contiguous()) : std::nullopt;
+  };
+  Layer layer{attn_norm_weight.contiguous(), qkv_weight.contiguous(), out_weight.contiguous(),
+              mlp_norm_weight.contiguous(), up_weight.contiguous(), down_weight.contiguous(),
+              contiguous(attn_norm_bias), contiguous(qkv_bias), contiguous(out_bias),
+              contiguous(mlp_norm_bias), contiguous(up_bias), contiguous(down_bias), scale};
+  layer.qkv_format = qkv;
+  layer.out_format = out;
+  layer.up_format = up;
+  layer.down_format = down;
+  push_layer(std::move(layer), dtype, hidden, inter);
+}
+
+void DecoderStack::push_layer(Layer layer, at::ScalarType dtype, int64_t hidden, int64_t inter) {
+  const int64_t l = num_layers();
+  TORCH_CHECK(l == 0 || inter == inter_, "layer ", l, "'s MLP width ", inter,
+              " differs from layer 0's ", inter_);
   if (l > 0) {
     const Layer& first = layers_[0];
     const std::pair<const std::optional<at::Tensor>*, const std::optional<at::Tensor>*> same[] = {
-        {&attn_norm_bias, &first.attn_norm_bias}, {&qkv_bias, &first.qkv_bias},
-        {&out_bias, &first.out_bias}, {&mlp_norm_bias, &first.mlp_norm_bias},
-        {&up_bias, &first.up_bias}, {&down_bias, &first.down_bias}};
+        {&layer.attn_norm_bias, &first.attn_norm_bias}, {&layer.qkv_bias, &first.qkv_bias},
+        {&layer.out_bias, &first.out_bias}, {&layer.mlp_norm_bias, &first.mlp_norm_bias},
+        {&layer.up_bias, &first.up_bias}, {&layer.down_bias, &first.down_bias}};
     for (const auto& [mine, theirs] : same) {
       TORCH_CHECK(mine->has_value() == theirs->has_value(), "layer ", l,
                   " has a different set of biases than layer 0 (every layer must have the same)");
     }
   }
-  const auto contiguous = [](const std::optional<at::Tensor>& t) {
-    return t ? std::optional(t->contiguous()) : std::nullopt;
-  };
-  layers_.push_back({attn_norm_weight.contiguous(), qkv_weight.contiguous(),
-                     out_weight.contiguous(), mlp_norm_weight.contiguous(), up_weight.contiguous(),
-                     down_weight.contiguous(), contiguous(attn_norm_bias), contiguous(qkv_bias),
-                     contiguous(out_bias), contiguous(mlp_norm_bias), contiguous(up_bias),
-                     contiguous(down_bias), scale});
+  layers_.push_back(std::move(layer));
+  dtype_ = dtype;
   hidden_ = hidden;
   inter_ = inter;
 }
@@ -369,16 +494,15 @@ at::Tensor DecoderStack::run(const at::Tensor& x_in, const std::vector<at::Tenso
               "k_caches and v_caches must hold one cache per layer (", L, "), got ",
               k_caches.size(), " and ", v_caches.size());
   check_dim(x_in, "x", 2, "[T, hidden]");
-  const at::Tensor& w0 = layers_[0].qkv;
-  TORCH_CHECK(x_in.scalar_type() == w0.scalar_type() && x_in.device().is_cpu() &&
-                  x_in.size(1) == hidden_,
-              "x must be ", w0.scalar_type(), " [T, ", hidden_, "] on the CPU as the stack's "
+  TORCH_CHECK(x_in.scalar_type() == dtype_ && x_in.device().is_cpu() && x_in.size(1) == hidden_,
+              "x must be ", dtype_, " [T, ", hidden_, "] on the CPU as the stack's "
               "weights, got ", x_in.scalar_type(), " ", shape_str(x_in), " on ", x_in.device());
   const int64_t T = x_in.size(0);
   TORCH_CHECK(T <= kSkinnyMaxT, "DecoderStack runs up to ", kSkinnyMaxT, " tokens a call, got ",
               T, " (run the model's own forward for more)");
   const StackShape s{T, hidden_, num_heads_, num_kv_heads_, head_dim_,
-                     (num_heads_ + 2 * num_kv_heads_) * head_dim_, inter_, norm_, act_};
+                     (num_heads_ + 2 * num_kv_heads_) * head_dim_, inter_, norm_, act_,
+                     chosen_quant_isa()};
   TORCH_CHECK(rotary_cos.has_value() == rotary_sin.has_value(),
               "rotary_cos and rotary_sin must be given together");
   if (rotary_cos) {

@@ -12,17 +12,20 @@
 #include <vector>
 
 #include "checks.h"
+#include "orca/cpu/quant_formats.h"
 
 namespace orca {
 
 class DecoderStack : public torch::CustomClassHolder {
  public:
-  // One block's tensors, contiguous; the biases and the norms' biases optional.
+  // One block's tensors, contiguous; the biases and the norms' biases optional. A linear with
+  // a format holds its weight as GGUF blocks (uint8 [N, K / 32 * block_bytes]).
   struct Layer {
     at::Tensor attn_norm, qkv, out, mlp_norm, up, down;
     std::optional<at::Tensor> attn_norm_bias, qkv_bias, out_bias, mlp_norm_bias, up_bias,
         down_bias;
     double scale;
+    std::optional<cpu::quant::Format> qkv_format, out_format, up_format, down_format;
   };
 
   DecoderStack(std::string norm, double norm_eps, std::string activation, int64_t num_heads,
@@ -36,6 +39,18 @@ class DecoderStack : public torch::CustomClassHolder {
                  const std::optional<at::Tensor>& mlp_norm_bias, const at::Tensor& up_weight,
                  const std::optional<at::Tensor>& up_bias, const at::Tensor& down_weight,
                  const std::optional<at::Tensor>& down_bias, double scale);
+
+  // add_layer with each linear's weight as GGUF blocks of its format ('q8_0', 'q4_0', 'q4_1'),
+  // as quantized_linear takes them; the norms, biases and hidden states stay float.
+  void add_quantized_layer(
+      const at::Tensor& attn_norm_weight, const std::optional<at::Tensor>& attn_norm_bias,
+      const at::Tensor& qkv_weight, const std::string& qkv_format,
+      const std::optional<at::Tensor>& qkv_bias, const at::Tensor& out_weight,
+      const std::string& out_format, const std::optional<at::Tensor>& out_bias,
+      const at::Tensor& mlp_norm_weight, const std::optional<at::Tensor>& mlp_norm_bias,
+      const at::Tensor& up_weight, const std::string& up_format,
+      const std::optional<at::Tensor>& up_bias, const at::Tensor& down_weight,
+      const std::string& down_format, const std::optional<at::Tensor>& down_bias, double scale);
 
   // The stack on packed hidden states x [T, hidden] (T <= max_tokens()); stores each layer's
   // new K/V in k_caches[l] / v_caches[l] and returns the new hidden states.
@@ -67,12 +82,16 @@ class DecoderStack : public torch::CustomClassHolder {
                  const std::optional<at::Tensor>& rotary_sin, int64_t step_begin,
                  int64_t step_end, bool add_residual) const;
 
+  // Checks that layer l (hidden wide, of dtype) agrees with layer 0, then appends it.
+  void push_layer(Layer layer, at::ScalarType dtype, int64_t hidden, int64_t inter);
+
   NormKind norm_;
   double norm_eps_;
   Activation act_;
   std::string activation_name_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   int64_t hidden_ = 0, inter_ = 0;
+  at::ScalarType dtype_ = at::kFloat;  // the hidden states' (every layer's norms and biases)
   std::vector<Layer> layers_;
 };
 

@@ -17,35 +17,28 @@
 #include <string>
 
 #include "normalized_input.h"
-#include "orca/cpu/quant_linear.h"
-#include "skinny_blocks.h"
+#include "quant_blocks.h"
 
 namespace orca {
 
 using cpu::quant::Format;
 using cpu::quant::Isa;
 
-namespace {
-
 // The most tokens the dot kernels take, per dtype of x: where they stopped beating the panels'
 // GEMM at SmolLM2-135M's shapes (bfloat16's GEMM, on AMX where the CPU has it, wins sooner).
 constexpr int64_t kDotMaxTFloat = 24, kDotMaxTBf16 = 16;
 constexpr int64_t kDotMaxT = std::max(kDotMaxTFloat, kDotMaxTBf16);
-// The most tokens kAvx512Vnni's int8 kernels take: they ran 1.1x-1.5x faster than the float
-// ones at one and two tokens and lost from four to eight (the per-block scaling is per token).
-constexpr int64_t kInt8MaxT = 2;
 constexpr int64_t kPanelBytes = 1024 * 1024;  // per thread: a dequantized panel, half an L2
 
-Format parse_format(c10::string_view name) {
+Format parse_quant_format(c10::string_view name, const char* what) {
   if (name == "q8_0") return Format::kQ8_0;
   if (name == "q4_0") return Format::kQ4_0;
   if (name == "q4_1") return Format::kQ4_1;
-  TORCH_CHECK(false, "format must be one of 'q8_0', 'q4_0', 'q4_1', got '", std::string(name),
+  TORCH_CHECK(false, what, " must be one of 'q8_0', 'q4_0', 'q4_1', got '", std::string(name),
               "'");
 }
 
-// The kernels' path: ORCA_QUANT_ISA (read at each call, so tests can switch it) where set.
-Isa chosen_isa() {
+Isa chosen_quant_isa() {
   const char* forced = std::getenv("ORCA_QUANT_ISA");
   if (forced == nullptr || *forced == '\0') return cpu::quant::best_isa();
   for (const auto& [name, isa] : cpu::quant::kIsaNames) {
@@ -58,12 +51,6 @@ Isa chosen_isa() {
               "got '", forced, "'");
 }
 
-struct QuantArgs {
-  Format format;
-  Activation act;
-  InputNorm norm;
-};
-
 QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& qweight,
                                         c10::string_view format, int64_t in_features,
                                         const std::optional<at::Tensor>& bias,
@@ -73,7 +60,7 @@ QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& q
                                         const std::optional<at::Tensor>& norm_weight,
                                         const std::optional<at::Tensor>& norm_bias,
                                         double norm_eps) {
-  const Format fmt = parse_format(format);
+  const Format fmt = parse_quant_format(format);
   const Activation act = parse_activation(activation);
   check_dim(x, "x", 2, "[T, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
@@ -118,38 +105,18 @@ QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& q
   return {fmt, act, input_norm};
 }
 
-// Up to kDotMaxT tokens: blocks [begin, end) of kSkinnyBlock output columns, each block's dot
-// products (gate and up rows for silu_and_mul) then its epilogue. x_int8: x rounded to int8
-// blocks for the kAvx512Vnni kernels, else null.
+namespace {
+
+// Up to kDotMaxT tokens: the blocks of kSkinnyBlock output columns split across the threads.
 template <typename scalar_t, Activation act>
 void dot_linear(Isa isa, Format fmt, const float* x, const uint8_t* x_int8, int64_t T,
                 int64_t K, const uint8_t* w, const scalar_t* bias, const scalar_t* residual,
                 scalar_t* out, int64_t N) {
-  constexpr int64_t B = kSkinnyBlock, kChunk = cpu::quant::kMaxDotTokens;
-  const int64_t row_bytes = K / cpu::quant::kBlockSize * cpu::quant::block_bytes(fmt);
-  const int64_t half = act == Activation::kSiluAndMul ? N : 0;  // offset of the up rows
-  at::parallel_for(0, ceil_div(N, B), skinny_grain(K, act), [&](int64_t begin, int64_t end) {
-    float y[2][kDotMaxT * B];
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n0 = blk * B, cols = std::min(B, N - n0);
-      for (int64_t part = 0; part < (half ? 2 : 1); ++part) {
-        const uint8_t* rows = w + (part * half + n0) * row_bytes;
-        for (int64_t t0 = 0; t0 < T; t0 += kChunk) {
-          const int64_t tokens = std::min(kChunk, T - t0);
-          if (x_int8) {
-            cpu::quant::dot_rows_int8(fmt, x_int8 + cpu::quant::int8_activation_bytes(t0, K),
-                                      tokens, K, rows, cols, y[part] + t0 * B, B);
-          } else {
-            cpu::quant::dot_rows(isa, fmt, x + t0 * K, tokens, K, rows, cols, y[part] + t0 * B,
-                                 B);
-          }
-        }
-      }
-      epilogue<act, float, scalar_t>(y[0], half ? y[1] : nullptr, B, T, cols,
-                                     bias ? bias + n0 : nullptr,
-                                     bias && half ? bias + half + n0 : nullptr,
-                                     residual ? residual + n0 : nullptr, out + n0, N);
-    }
+  at::parallel_for(0, ceil_div(N, kSkinnyBlock), skinny_grain(K, act),
+                   [&](int64_t begin, int64_t end) {
+    float y[2][kDotMaxT * kSkinnyBlock];
+    quant_dot_blocks<scalar_t, act>(isa, fmt, x, x_int8, T, K, w, bias, residual, out, N, begin,
+                                    end, y[0], y[1]);
   });
 }
 
@@ -210,11 +177,12 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
                                 const std::optional<at::Tensor>& residual_in,
                                 c10::string_view norm,
                                 const std::optional<at::Tensor>& norm_weight,
-                                const std::optional<at::Tensor>& norm_bias, double norm_eps) {
+                                const std::optional<at::Tensor>& norm_bias, double norm_eps,
+                                bool int8_activations) {
   const auto [fmt, act, input_norm] =
       check_quantized_linear_inputs(x_in, qweight_in, format, in_features, bias_in, activation,
                                     residual_in, norm, norm_weight, norm_bias, norm_eps);
-  const Isa isa = chosen_isa();
+  const Isa isa = chosen_quant_isa();
   const at::Tensor x = input_norm.kind == NormKind::kNone
                            ? x_in.contiguous()
                            : normalized_input(x_in.contiguous(), input_norm);
@@ -232,7 +200,7 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
     if (T <= (std::is_same_v<scalar_t, float> ? kDotMaxTFloat : kDotMaxTBf16)) {
       const at::Tensor x_float = x.to(at::kFloat).contiguous();
       at::Tensor x_int8;
-      if (isa == Isa::kAvx512Vnni && T <= kInt8MaxT) {
+      if (int8_activations && uses_int8_activations(isa, T)) {
         x_int8 = at::empty({cpu::quant::int8_activation_bytes(T, K)}, x.options().dtype(at::kByte));
         cpu::quant::quantize_activations(fmt, x_float.data_ptr<float>(), T, K,
                                          x_int8.data_ptr());

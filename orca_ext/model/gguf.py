@@ -9,6 +9,7 @@ quantized path); ``gguf_tokenizer`` rebuilds the tokenizer as a ``tokenizers.Tok
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -252,6 +253,27 @@ class GGUFCheckpoint(Checkpoint):
     def raw(self, name: str) -> Any:
         """The stored tensor (``gguf.ReaderTensor``: type, shape, block bytes) behind ``name``."""
         return self.file.tensors[self._tensors[name].gguf_name]
+
+    def copy_raw_blocks(self, name: str, out: torch.Tensor) -> None:
+        """Copy a quantized matrix's stored blocks into ``out`` (uint8 ``[rows, row bytes]``)
+        straight from the file, Q and K rows back in Hugging Face order: each row is its own
+        blocks along the input dim, so the un-permutation moves whole rows (and GPT-2's weights
+        are stored [out, in] already)."""
+        entry = self._tensors[name]
+        tensor = self.file.tensors[entry.gguf_name]
+        rows = int(tensor.n_elements) // int(tensor.shape[0])
+        with warnings.catch_warnings():  # the file's read-only map is only read from
+            warnings.simplefilter("ignore", UserWarning)
+            blocks = torch.from_numpy(tensor.data.view(np.uint8).reshape(rows, -1))
+        if blocks.shape != out.shape:
+            raise ValueError(f"{self.source}: tensor {name!r} has {tuple(blocks.shape)} bytes of "
+                             f"blocks, expected {tuple(out.shape)}")
+        heads = entry.rotary_heads
+        if heads is None:
+            out.copy_(blocks)
+        else:
+            out.view(heads, 2, rows // heads // 2, -1).copy_(
+                blocks.view(heads, rows // heads // 2, 2, -1).transpose(1, 2))
 
 
 def gguf_tokenizer(file: GGUFFile) -> Tokenizer:

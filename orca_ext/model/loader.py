@@ -19,6 +19,7 @@ from .builtin import (BUILTIN_GGUF_MODELS, BUILTIN_MODELS, builtin_gguf_path, bu
                       init_random_weights)
 from .config import ModelConfig
 from .gguf import GGUFCheckpoint, GGUFFile, gguf_tokenizer, hf_config
+from .quantized import QuantizedWeight, check_quantization, plan_quantization, quantize_modules
 from .tokenizer import Tokenizer
 from .weights import Checkpoint, SafetensorsCheckpoint, load_hf_weights, save_hf_weights
 
@@ -38,24 +39,49 @@ class LoadedModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.lm_head.weight.dtype
+        """The activations' dtype (a quantized head's weight is uint8 blocks)."""
+        return next(p.dtype for p in self.model.parameters() if p.is_floating_point())
 
     @property
     def device(self) -> torch.device:
         return self.model.lm_head.weight.device
 
 
-def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str = "cpu") -> torch.dtype:
+def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str = "cpu",
+                  quantized: bool = False) -> torch.dtype:
     """A dtype or its name; ``"auto"`` is bfloat16 on a GPU and on a CPU with native bfloat16
     matrix instructions (AMX or AVX512-BF16, which oneDNN runs torch's bfloat16 GEMMs on), float32
-    on other CPUs."""
+    on other CPUs, and float32 for a ``quantized`` model (as llama.cpp runs one)."""
     if dtype == "auto":
-        return auto_dtype(device)
+        return torch.float32 if quantized else auto_dtype(device)
     if isinstance(dtype, str) and dtype in DTYPES:
-        return DTYPES[dtype]
-    if dtype in DTYPES.values():
-        return dtype
-    raise ValueError(f"unsupported dtype {dtype!r}; supported: auto, {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    if dtype not in DTYPES.values():
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: auto, {', '.join(DTYPES)}")
+    if quantized and dtype == torch.float16:
+        raise ValueError("dtype: the quantized kernels take float32 or bfloat16 activations, not "
+                         "float16 (or pass quantization='none')")
+    return dtype
+
+
+def runs_quantized(name_or_path: str, quantization: str | None,
+                   device: torch.device | str = "cpu") -> bool:
+    """Whether ``load_model(name_or_path, quantization=...)`` gives quantized layers: a format
+    always (on the CPU only), None for a GGUF file on the CPU; a ValueError naming a bad
+    ``quantization``."""
+    check_quantization(quantization)
+    if quantization == "none":
+        return False
+    on_cpu = torch.device(device).type == "cpu"
+    if quantization is not None:
+        if not on_cpu:
+            raise ValueError(f"quantization: {quantization!r} runs on the CPU only (the "
+                             f"quantized kernels are CPU kernels), not on {device}")
+        return True
+    if not on_cpu or name_or_path in BUILTIN_MODELS:
+        return False
+    resolved = resolve_model_path(name_or_path)
+    return resolved.suffix == ".gguf" or resolved.is_file()
 
 
 def cpu_has_native_bf16() -> bool:
@@ -87,12 +113,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype,
-                device: torch.device | str = "cpu") -> nn.Module:
-    """The family's module with uninitialized parameters of ``dtype`` on ``device``."""
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
+                quantized: dict[str, QuantizedWeight] | None = None) -> nn.Module:
+    """The family's module with uninitialized parameters of ``dtype`` on ``device``, the weights
+    in ``quantized`` (``quantized.plan_quantization``) as uninitialized GGUF blocks."""
     _, cls = _FAMILIES[config.family]
     with torch.device(device), _default_dtype(dtype):
         model = cls(config).eval()
+        if quantized:
+            quantize_modules(model, quantized, dtype)
     allocate_in_arena(model)
     return model
 
@@ -190,27 +219,65 @@ def open_checkpoint(info: ModelInfo) -> Checkpoint:
 
 
 def load_model(name_or_path: str, dtype: torch.dtype | str = "float32",
-               device: torch.device | str = "cpu") -> LoadedModel:
+               device: torch.device | str = "cpu",
+               quantization: str | None = None) -> LoadedModel:
     """Load a built-in model (``orca-tiny``, ``smollm2-135m-instruct``), a Hugging Face model
     folder (config.json, *.safetensors or a sharded index, tokenizer.json, optional
-    generation_config.json) or a GGUF file (or a folder holding exactly one)."""
-    dtype = resolve_dtype(dtype, device)
+    generation_config.json) or a GGUF file (or a folder holding exactly one). ``quantization``
+    as ``quantized.py`` describes it: None runs a GGUF file's quantized tensors as stored."""
+    dtype = resolve_dtype(dtype, device, runs_quantized(name_or_path, quantization, device))
+    if quantization is None and torch.device(device).type != "cpu":
+        quantization = "none"
     info = load_model_info(name_or_path)
     config = info.config
-    model = build_model(config, dtype, device)
-    if info.checkpoint is None:
-        init_random_weights(model)
+    family, _ = _FAMILIES[config.family]
+    weight_map = family.hf_weight_map(config)
+    checkpoint = None if info.checkpoint is None else open_checkpoint(info)
+    if checkpoint is not None:  # names first: the plan reads the stored types
+        checkpoint.check_names(weight_map, config.architecture, family.IGNORED_HF_WEIGHTS)
+    # The plan needs the modules' shapes and ties: those of a model built on the meta device.
+    with torch.device("meta"), _default_dtype(dtype):
+        shapes = family_model(config)
+    plan = plan_quantization(shapes, weight_map, checkpoint, quantization)
+    model = build_model(config, dtype, device, plan)
+    if checkpoint is None:
+        if plan:  # random weights, drawn in float and quantized as a checkpoint's would be
+            _init_random_quantized(model, config, plan)
+        else:
+            init_random_weights(model)
     else:
-        family, _ = _FAMILIES[config.family]
-        load_hf_weights(model, family.hf_weight_map(config), open_checkpoint(info),
-                        family.IGNORED_HF_WEIGHTS)
+        load_hf_weights(model, weight_map, checkpoint, family.IGNORED_HF_WEIGHTS, plan)
     return LoadedModel(model, config, info.tokenizer, info.eos_token_ids, info.max_model_len,
                        info.chat_template)
+
+
+def family_model(config: ModelConfig) -> nn.Module:
+    """The family's module, built under whatever device and dtype the caller set."""
+    _, cls = _FAMILIES[config.family]
+    return cls(config).eval()
+
+
+def _init_random_quantized(model: nn.Module, config: ModelConfig,
+                           plan: dict[str, QuantizedWeight]) -> None:
+    """A built-in random model's weights, drawn as for the float model, the planned ones
+    quantized from the float32 draws."""
+    from ..quantize import quantize_weight
+
+    with _default_dtype(torch.float32):
+        reference = family_model(config)
+    init_random_weights(reference)
+    weights = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        param.copy_(quantize_weight(weights[name], plan[name].format) if name in plan
+                    else weights[name])
 
 
 def save_pretrained_folder(loaded: LoadedModel, path: str | Path) -> Path:
     """Write ``loaded`` as a Hugging Face folder: config.json, model.safetensors,
     generation_config.json, tokenizer.json and tokenizer_config.json."""
+    if any(p.dtype == torch.uint8 for p in loaded.model.parameters()):
+        raise ValueError("save_pretrained_folder saves float weights; this model holds GGUF "
+                         "blocks (load it with quantization='none' to save it)")
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     config = loaded.config

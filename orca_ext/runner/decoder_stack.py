@@ -4,7 +4,8 @@ The model files stay the readable reference (one module per block, each op a cal
 hands the same parameters to the C++ stack once, which checks them and keeps them laid out for
 decode steps: up to ``DecoderStack.max_tokens()`` tokens, the whole stack runs in one parallel
 region per step instead of ~10 op dispatches and fork-joins per layer, with the per-op blocks'
-results bit for bit. A tensor-parallel rank's stack runs one half-layer at a time
+results bit for bit; a block whose linears hold GGUF blocks (``QuantizedLinear``) runs the
+quantized kernels in the same region. A tensor-parallel rank's stack runs one half-layer at a time
 (``forward_partial``), all-reducing its partial sums in between as the row-parallel linears do.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..kv import KVCache
 from ..model.gpt2 import GPT2, GPT2Block
 from ..model.layers import AttentionMetadata, LayerNorm, Linear, RMSNorm
 from ..model.llama import Llama, LlamaBlock
+from ..model.quantized import QuantizedLinear
 
 # (attention norm, qkv, out, MLP norm, MLP up, MLP down) of one block.
 BlockParts = tuple[LayerNorm | RMSNorm, Linear, Linear, LayerNorm | RMSNorm, Linear, Linear]
@@ -42,10 +44,16 @@ def unsupported_reason(model: nn.Module) -> str | None:
     if device.type != "cpu":
         return f"DecoderStack runs on the CPU; the weights are on {device}"
     parts = [_block_parts(b) for b in model.layers]
-    if any(type(lin) is not Linear for p in parts for lin in (p[1], p[4])):
+    for p in parts:
+        kinds = {type(lin) for lin in (p[1], p[2], p[4], p[5])}
+        if QuantizedLinear in kinds and kinds != {QuantizedLinear}:
+            return (f"{name} has blocks with both quantized and float linears (the stack takes "
+                    "a block's four linears in one kind)")
+    if any(type(lin) not in (Linear, QuantizedLinear) for p in parts for lin in (p[1], p[4])):
         return f"{name}'s qkv or MLP up linears are not plain Linear layers"
     row_types = {type(lin) for p in parts for lin in (p[2], p[5])}
-    if row_types not in ({Linear}, {RowParallelLinear}):
+    if row_types not in ({Linear}, {RowParallelLinear}, {QuantizedLinear},
+                         {Linear, QuantizedLinear}):
         return f"{name}'s output linears are not all plain or all row-parallel"
     return None
 
@@ -71,6 +79,13 @@ def build_decoder_stack(model: nn.Module) -> torch.ScriptObject:
         getattr(first.attn, "num_kv_heads", first.attn.num_heads), first.attn.head_dim)
     for block in model.layers:
         attn_norm, qkv, out, mlp_norm, up, down = _block_parts(block)
+        if isinstance(qkv, QuantizedLinear):
+            stack.add_quantized_layer(
+                attn_norm.weight, getattr(attn_norm, "bias", None), qkv.weight, qkv.format,
+                qkv.bias, out.weight, out.format, out.bias, mlp_norm.weight,
+                getattr(mlp_norm, "bias", None), up.weight, up.format, up.bias, down.weight,
+                down.format, down.bias, block.attn.scale)
+            continue
         stack.add_layer(attn_norm.weight, getattr(attn_norm, "bias", None), qkv.weight, qkv.bias,
                         out.weight, out.bias, mlp_norm.weight, getattr(mlp_norm, "bias", None),
                         up.weight, up.bias, down.weight, down.bias, block.attn.scale)

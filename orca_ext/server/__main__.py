@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 where the CPU has AMX or AVX512-BF16, else float32), "
                         "float32, float16 or bfloat16")
+    m.add_argument("--quantization", default=None, choices=["none", "q8_0", "q4_0", "q4_1"],
+                   help="none (dequantize), or q8_0 / q4_0 / q4_1: quantize every linear weight "
+                        "at load (default: a GGUF file runs in its stored formats, other models "
+                        "unquantized); quantized models run float32 under --dtype auto")
     m.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when "
                    "available)")
     m.add_argument("--max-model-len", type=_positive, default=None,
@@ -317,13 +321,15 @@ def build_core(args: argparse.Namespace, parallel: Any) -> tuple[Any, list[str]]
                           block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
                           kv_cache_memory=args.kv_cache_memory,
                           enable_prefix_caching=args.enable_prefix_caching,
-                          parallel_config=parallel if parallel.enabled else None)
+                          parallel_config=parallel if parallel.enabled else None,
+                          quantization=args.quantization)
     if parallel.enabled:  # the workers load the weights; this process only the tokenizer
         loaded = load_model_info(args.model)
     else:
-        loaded = load_model(args.model, config.dtype, config.device)
+        loaded = load_model(args.model, config.dtype, config.device, config.quantization)
     loaded = with_context(loaded, config.max_model_len)
-    engine = build_engine(config if parallel.enabled else config.replace(model=loaded))
+    engine = build_engine(config if parallel.enabled
+                          else config.replace(model=loaded, quantization=None))
     if args.seed is not None:  # after the build, so that the first request starts from it
         torch.manual_seed(args.seed)
     eos = loaded.eos_token_ids[0] if loaded.eos_token_ids else None

@@ -1,0 +1,207 @@
+"""Quantized weights in the models: which linears and embeddings hold GGUF blocks, the layers
+that hold them, and filling them from a checkpoint.
+
+``quantization`` (``EngineConfig``, ``load_model``): None runs a GGUF file in its stored formats
+(Q8_0 / Q4_0 / Q4_1 blocks as stored; other quantized types converted to q8_0 at load) and any
+other model unquantized; ``"none"`` dequantizes everything; ``"q8_0"``, ``"q4_0"``, ``"q4_1"``
+quantize every linear weight (and a tied embedding with the output head) at load. Quantized
+models run float32 activations by default, as llama.cpp does.
+"""
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..quantize import BLOCK_BYTES, BLOCK_SIZE, quantize_weight
+from .layers import Embedding, LayerNorm, Layer, Linear, RMSNorm
+from .weights import Checkpoint, HFWeight
+
+_log = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("none", *BLOCK_BYTES)
+# GGUF tensor types the quantized kernels read as stored, by their format names.
+NATIVE_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+FLOAT_TYPES = ("F32", "F16", "BF16")
+# The format other quantized GGUF types (K-quants, Q5_0, ...) are converted to at load.
+CONVERTED_FORMAT = "q8_0"
+
+
+def check_quantization(quantization: str | None) -> str | None:
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, got "
+                         f"{quantization!r}")
+    return quantization
+
+
+def _row_bytes(in_features: int, format: str) -> int:
+    return in_features // BLOCK_SIZE * BLOCK_BYTES[format]
+
+
+def _blocks(rows: int, in_features: int, format: str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(rows, _row_bytes(in_features, format), dtype=torch.uint8),
+                        requires_grad=False)
+
+
+class QuantizedLinear(Layer):
+    """``Linear`` with its weight as GGUF blocks: ``weight`` is uint8 ``[out_features,
+    in_features / 32 * block_bytes]`` of ``format`` (``ops.quantized_linear``); the bias, the
+    fused norm and the activations stay float."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 activation: str = "none", format: str = "q8_0") -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.format = in_features, out_features, format
+        self.weight = _blocks(out_features, in_features, format)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias \
+            else None
+        self.activation = activation
+
+    @classmethod
+    def replacing(cls, linear: Linear, format: str) -> QuantizedLinear:
+        """A QuantizedLinear of ``linear``'s shape and activation, sharing its bias."""
+        out_features, in_features = linear.weight.shape
+        new = cls(in_features, out_features, False, linear.activation, format)
+        new.bias = linear.bias
+        return new
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                norm: LayerNorm | RMSNorm | None = None) -> torch.Tensor:
+        norm_args = () if norm is None else norm.fused_args()
+        return ops.quantized_linear(x, self.weight, self.format, self.in_features, self.bias,
+                                    self.activation, residual, *norm_args)
+
+    def logits(self, x: torch.Tensor, norm: LayerNorm | RMSNorm | None = None) -> torch.Tensor:
+        """float32 logits ``norm(x) @ weight.T``: quantized_linear on float32 rows (bfloat16
+        rows normalized in their dtype first, as ``Linear.logits`` does), never rounded to int8:
+        that rounding of a one-token step's final hidden state flipped near-tied greedy tokens
+        (SmolLM2's answer to "What is the capital of France?")."""
+        if self.bias is not None or self.activation != "none":
+            raise ValueError("logits are computed without a bias or activation")
+        if x.dtype != torch.float32:
+            x, norm = (x if norm is None else norm(x)).float(), None
+        norm_args = () if norm is None else norm.fused_args()
+        return ops.quantized_linear(x, self.weight, self.format, self.in_features, None, "none",
+                                    None, *norm_args, int8_activations=False)
+
+
+class QuantizedEmbedding(Layer):
+    """``Embedding`` with its table as GGUF blocks: the rows looked up are dequantized
+    (``ops.quantized_embedding``), never the whole table; returned in ``dtype``."""
+
+    def __init__(self, num_embeddings: int, dim: int, format: str = "q8_0",
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.dim, self.format, self.dtype = dim, format, dtype
+        self.weight = _blocks(num_embeddings, dim, format)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = ops.quantized_embedding(ids, self.weight, self.format, self.dim)
+        return rows if self.dtype == torch.float32 else rows.to(self.dtype)
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """How one parameter is filled: GGUF blocks of ``format``, copied as stored (``native``) or
+    quantized at load from the float weights."""
+
+    format: str
+    native: bool
+
+
+def tied_names(model: nn.Module) -> dict[str, list[str]]:
+    """Each parameter name -> every name of that parameter (a tied embedding and head share)."""
+    groups: dict[int, list[str]] = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups[id(param)].append(name)
+    return {name: names for names in groups.values() for name in names}
+
+
+def _matrices(model: nn.Module) -> dict[str, nn.Module]:
+    """The weight names of the model's Linear and Embedding modules -> the module."""
+    return {f"{name}.weight": module for name, module in model.named_modules()
+            if isinstance(module, (Linear, Embedding))}
+
+
+def plan_quantization(model: nn.Module, weight_map: dict[str, HFWeight],
+                      checkpoint: Checkpoint | None,
+                      quantization: str | None) -> dict[str, QuantizedWeight]:
+    """The parameters (names in ``weight_map``) to hold as GGUF blocks and how to fill them.
+    With a format, every linear weight (a tied embedding with it) whose width is a multiple of
+    32; with None, a GGUF checkpoint's quantized tensors (``checkpoint.raw``), native where the
+    stored format is Q8_0 / Q4_0 / Q4_1 (every part of a fused weight in the same one), else
+    converted to q8_0 with one logged note."""
+    if quantization == "none" or (quantization is None and not hasattr(checkpoint, "raw")):
+        return {}
+    matrices, tied = _matrices(model), tied_names(model)
+    plan: dict[str, QuantizedWeight] = {}
+    converted: list[str] = []
+    for name, module in matrices.items():
+        if name not in weight_map:
+            continue  # a tied head: planned with its embedding
+        group = [matrices[n] for n in tied[name] if n in matrices]
+        width = module.weight.shape[1]
+        if quantization is not None:
+            if any(isinstance(m, Linear) for m in group) and width % BLOCK_SIZE == 0:
+                plan[name] = QuantizedWeight(quantization, False)
+            continue
+        types = {checkpoint.raw(n).tensor_type.name for n in weight_map[name].names}
+        if types <= set(FLOAT_TYPES):
+            continue
+        if len(types) == 1 and types <= NATIVE_TYPES.keys():
+            plan[name] = QuantizedWeight(NATIVE_TYPES[types.pop()], True)
+        elif width % BLOCK_SIZE == 0:
+            plan[name] = QuantizedWeight(CONVERTED_FORMAT, False)
+            converted.append(f"{name} ({'+'.join(sorted(types))})")
+    if converted:
+        _log.info("%s: %d weights in types the kernels do not read as stored converted to %s at "
+                  "load (dequantized, then quantized): %s", checkpoint.source, len(converted),
+                  CONVERTED_FORMAT, ", ".join(converted))
+    return plan
+
+
+def quantize_modules(model: nn.Module, plan: dict[str, QuantizedWeight],
+                     dtype: torch.dtype) -> None:
+    """Replace the Linear and Embedding modules of the planned weights (every module of a tied
+    one, sharing one block tensor) by their quantized layers, before their memory is laid out."""
+    matrices, tied = _matrices(model), tied_names(model)
+    for name, how in plan.items():
+        shared = None
+        for member in tied[name]:
+            old = matrices[member]
+            if isinstance(old, Linear):
+                new: Layer = QuantizedLinear.replacing(old, how.format)
+            else:
+                new = QuantizedEmbedding(*old.weight.shape, how.format, dtype)
+            if shared is None:
+                shared = new.weight
+            new.weight = shared
+            parent, _, attr = member.removesuffix(".weight").rpartition(".")
+            setattr(model.get_submodule(parent), attr, new)
+
+
+def load_quantized(out: torch.Tensor, checkpoint: Checkpoint, spec: HFWeight,
+                   shape: tuple[int, int], how: QuantizedWeight) -> None:
+    """Fill ``out``, the uint8 blocks of a weight of float ``shape`` ``[N, K]``: the stored rows
+    (fused parts one after the other), or its float parts quantized."""
+    parts = checkpoint.parts(spec, shape)
+    if how.native:
+        offset = 0
+        for name, (rows, _) in zip(spec.names, parts):
+            checkpoint.copy_raw_blocks(name, out[offset:offset + rows])
+            offset += rows
+        return
+    values = [piece[:].t() if spec.transpose else piece[:] for _, piece in parts]
+    out.copy_(quantize_weight(torch.cat(values) if len(values) > 1 else values[0], how.format))
+
+
+def logical_shape(module: Any) -> tuple[int, int]:
+    """The float shape ``[N, K]`` a quantized layer's blocks stand for."""
+    if isinstance(module, QuantizedLinear):
+        return module.out_features, module.in_features
+    return module.weight.shape[0], module.dim

@@ -1,0 +1,341 @@
+"""Quantized models: a GGUF file's Q8_0 / Q4_0 / Q4_1 tensors run as stored against the same
+weights dequantized to float32, other types converted to q8_0, ``quantization="q8_0"`` on a
+safetensors model, the quantized embedding op, the DecoderStack on quantized blocks, errors."""
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf_files import make_model, write_gguf
+from test_decoder_stack import BATCHES, run_both
+from test_loader import forward_logits
+from tiny_models import make_hf_model, save_hf_model
+
+from orca_ext import LLM, SamplingParams, _C, ops
+from orca_ext.config import EngineConfig
+from orca_ext.model import load_model
+from orca_ext.model.layers import Linear
+from orca_ext.model.quantized import QuantizedEmbedding, QuantizedLinear
+from orca_ext.quantize import dequantize_weight, quantize_weight
+from orca_ext.runner.decoder_stack import unsupported_reason
+
+ARCHS = ["llama", "qwen2", "gpt2"]
+ISAS = ["portable", "avx2", "avx512", "avx512_vnni"]
+TOKENS = [5, 17, 200, 3, 99, 42, 7, 250, 1, 64, 128, 33]
+# Each layer's matrices in one native format (a fused qkv / gate_up shares it), the embedding
+# Q8_0 as SmolLM2's file stores it, an untied head Q4_0.
+LAYER_TYPES = [Q.Q4_1, Q.Q4_0, Q.Q8_0]
+
+
+def native_types(arch: str) -> dict[str, Q]:
+    parts = (["attn_qkv", "attn_output", "ffn_up", "ffn_down"] if arch == "gpt2" else
+             ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"])
+    types = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q4_0}
+    for layer in range(3):
+        for part in parts:
+            types[f"blk.{layer}.{part}.weight"] = LAYER_TYPES[layer]
+    return types
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def gguf_file(request, tmp_path_factory):
+    arch = request.param
+    path = tmp_path_factory.mktemp(arch) / f"{arch}.gguf"
+    return write_gguf(make_model(arch), arch, path, native_types(arch))
+
+
+@pytest.fixture(scope="module")
+def native_and_float(gguf_file):
+    return load_model(str(gguf_file)), load_model(str(gguf_file), quantization="none")
+
+
+@pytest.fixture
+def isa(request, monkeypatch) -> str:
+    if request.param not in _C.quant_isas():
+        pytest.skip(f"this CPU does not run the {request.param} path")
+    monkeypatch.setenv("ORCA_QUANT_ISA", request.param)
+    return request.param
+
+
+def _float_weight(module) -> torch.Tensor:
+    return dequantize_weight(module.weight, module.format,
+                             module.in_features if isinstance(module, QuantizedLinear)
+                             else module.dim)
+
+
+def test_stored_blocks_are_the_files_weights(native_and_float):
+    """Every linear and the embedding keep the file's blocks: dequantized, they are the
+    dequantized model's weights bit for bit (Q/K rows un-permuted as whole block rows, q/k/v and
+    gate/up concatenated); a tied head shares the embedding's blocks."""
+    native, dequantized = native_and_float
+    floats = dict(dequantized.model.named_modules())
+    kinds = set()
+    for name, module in native.model.named_modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            kinds.add((type(module).__name__, module.format))
+            assert torch.equal(_float_weight(module), floats[name].weight), name
+        assert not isinstance(module, Linear), f"{name} was left unquantized"
+    assert ("QuantizedEmbedding", "q8_0") in kinds
+    assert {f for _, f in kinds} == {"q8_0", "q4_0", "q4_1"}
+    if native.config.tie_word_embeddings:
+        assert native.model.lm_head.weight is _embedding(native.model).weight
+    assert native.dtype == torch.float32
+
+
+def _embedding(model) -> QuantizedEmbedding:
+    return model.embed if hasattr(model, "embed") else model.wte
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"], indirect=True)
+def test_native_logits_match_the_dequantized_model(native_and_float, isa):
+    """With float32 activations the quantized kernels multiply by the very weights the
+    dequantized model holds (q * d is exact in float32) and differ from its GEMM only in the
+    order of the float32 sums: logits of order 1 agree to ~1e-5 through the layers."""
+    native, dequantized = native_and_float
+    for tokens in (TOKENS, TOKENS[:1], TOKENS[:2]):  # the dot kernels, and 1-2 token steps
+        torch.testing.assert_close(forward_logits(native, tokens),
+                                   forward_logits(dequantized, tokens), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ["avx512_vnni"], indirect=True)
+def test_int8_activation_logits_stay_close(native_and_float, isa):
+    """avx512_vnni rounds the activations of 1-2 token steps to int8 per block of 32, as
+    llama.cpp does: each is off by up to max |x| / 254 of its block, a relative error of ~0.4 %
+    per product that averages out over K; logits move by a few 1e-3 and the top token stays."""
+    native, dequantized = native_and_float
+    for tokens in (TOKENS[:1], TOKENS[:2]):
+        got, want = forward_logits(native, tokens), forward_logits(dequantized, tokens)
+        torch.testing.assert_close(got, want, rtol=0, atol=0.05 * float(want.abs().max()))
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_greedy_outputs_match_the_dequantized_model(native_and_float):
+    """The engine on the stored formats (DecoderStack decode steps on the default ISA) and on
+    the dequantized weights: greedy outputs equal on most prompts (a near-tie in a random tiny
+    model may flip one token, and everything after it)."""
+    native, dequantized = native_and_float
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 300, (int(n),), generator=gen).tolist()
+               for n in torch.randint(4, 40, (8,), generator=gen)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outputs = [[list(o.outputs[0].token_ids) for o in
+                LLM(m, max_batch_size=4, kv_cache_tokens=1024).generate(prompts, params,
+                                                                         use_tqdm=False)]
+               for m in (native, dequantized)]
+    equal = sum(a == b for a, b in zip(*outputs))
+    assert equal >= 6, f"{equal} of 8 greedy outputs equal"
+
+
+def test_mixed_and_k_quant_tensors_convert_to_q8_0(tmp_path, caplog):
+    """A fused weight whose parts differ in format, and K-quants, load as q8_0 (dequantized,
+    then quantized: within q8_0's rounding of the file's values), with one logged note."""
+    types = native_types("llama")
+    types["blk.0.attn_k.weight"] = Q.Q8_0  # q and v stay Q4_1
+    types["blk.1.ffn_down.weight"] = Q.Q4_K
+    types["blk.1.ffn_gate.weight"] = types["blk.1.ffn_up.weight"] = Q.Q6_K
+    path = write_gguf(make_model("llama"), "llama", tmp_path / "mixed.gguf", types)
+    with caplog.at_level(logging.INFO, logger="orca_ext.model.quantized"):
+        native = load_model(str(path))
+    notes = [r.getMessage() for r in caplog.records if "converted to q8_0" in r.getMessage()]
+    assert len(notes) == 1 and "3 weights" in notes[0] and "Q4_1+Q8_0" in notes[0]
+    dequantized = load_model(str(path), quantization="none")
+    floats = dict(dequantized.model.named_modules())
+    for name in ("layers.0.attn.qkv", "layers.1.mlp.down", "layers.1.mlp.gate_up"):
+        module = native.model.get_submodule(name)
+        assert module.format == "q8_0"
+        want = floats[name].weight
+        assert torch.equal(_float_weight(module),
+                           dequantize_weight(quantize_weight(want, "q8_0"), "q8_0",
+                                             want.shape[1]))
+    assert native.model.layers[1].attn.qkv.format == "q4_0"
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2", "gpt2"])
+def test_quantization_of_a_safetensors_model(name, fmt, tmp_path):
+    """``quantization=fmt`` quantizes every linear of a Hugging Face model at load (GPT-2's
+    Conv1D transposed first): the reference is the float model with each linear weight replaced
+    by its quantized-then-dequantized values, which the kernels reproduce to float32 summation
+    order."""
+    folder = save_hf_model(make_hf_model(name), tmp_path)
+    quantized = load_model(str(folder), quantization=fmt)
+    reference = load_model(str(folder))
+    linears = 0
+    for module_name, module in reference.model.named_modules():
+        if isinstance(module, Linear):
+            ours = quantized.model.get_submodule(module_name)
+            assert isinstance(ours, QuantizedLinear) and ours.format == fmt
+            module.weight.copy_(_float_weight(ours))
+            linears += 1
+    assert linears == 4 * reference.config.num_layers + 1
+    tied = reference.config.tie_word_embeddings
+    assert isinstance(_embedding(quantized.model), QuantizedEmbedding) == tied
+    torch.testing.assert_close(forward_logits(quantized, TOKENS),
+                               forward_logits(reference, TOKENS), rtol=1e-4, atol=1e-4)
+
+
+def test_orca_tiny_quantized_at_load_generates():
+    """The built-in random model's float32 draws quantized; decode steps on the DecoderStack."""
+    loaded = load_model("orca-tiny", quantization="q8_0")
+    assert isinstance(loaded.model.wte, QuantizedEmbedding) and unsupported_reason(
+        loaded.model) is None
+    llm = LLM(loaded, max_batch_size=2, kv_cache_tokens=256)
+    out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_decoder_stack_on_quantized_blocks_is_bit_exact(native_and_float, batch, isa):
+    """The fused stack runs each quantized linear's blocks with quantized_linear's kernels, work
+    blocks and rounding (int8 activations included on avx512_vnni): the per-op blocks' hidden
+    states and KV caches bit for bit."""
+    native, _ = native_and_float
+    assert unsupported_reason(native.model) is None
+    (want, want_caches), (got, got_caches) = run_both(native, BATCHES[batch])
+    assert torch.equal(got, want)
+    for (k_want, v_want), (k_got, v_got) in zip(want_caches, got_caches):
+        assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+
+
+def test_decoder_stack_bfloat16_activations_bit_exact(gguf_file):
+    loaded = load_model(str(gguf_file), dtype="bfloat16")
+    assert isinstance(loaded.model.layers[0].attn.qkv, QuantizedLinear)
+    (want, _), (got, _) = run_both(loaded, BATCHES["decode_4"])
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_quantized_stack_layer_errors_name_the_argument():
+    stack = torch.classes.orca.DecoderStack("rms_norm", 1e-5, "silu_and_mul", 4, 2, 64)
+    args = dict(attn_norm_weight=torch.ones(256), attn_norm_bias=None,
+                qkv_weight=torch.zeros(512, 8 * 20, dtype=torch.uint8), qkv_format="q4_1",
+                qkv_bias=None, out_weight=torch.zeros(256, 8 * 20, dtype=torch.uint8),
+                out_format="q4_1", out_bias=None, mlp_norm_weight=torch.ones(256),
+                mlp_norm_bias=None, up_weight=torch.zeros(1024, 8 * 20, dtype=torch.uint8),
+                up_format="q4_1", up_bias=None,
+                down_weight=torch.zeros(256, 16 * 20, dtype=torch.uint8), down_format="q4_1",
+                down_bias=None, scale=0.125)
+    stack.add_quantized_layer(*args.values())
+    for change, message in [
+        (dict(qkv_format="q5_0"), "layer 1's qkv linear: format must be one of"),
+        (dict(down_weight=torch.zeros(256, 16 * 18, dtype=torch.uint8)),
+         "layer 1's down linear: qweight has 288 bytes per row but in_features = 512"),
+        (dict(qkv_weight=torch.zeros(500, 160, dtype=torch.uint8)),
+         "layer 1's qkv_weight must have (num_heads + 2 * num_kv_heads) * head_dim = 512 rows"),
+        (dict(attn_norm_weight=torch.ones(256).bfloat16()), "layer 1's attn_norm_weight is "
+                                                             "BFloat16"),
+    ]:
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            stack.add_quantized_layer(*{**args, **change}.values())
+    assert stack.num_layers() == 1
+
+
+def test_mixed_blocks_are_unsupported(gguf_file):
+    loaded = load_model(str(gguf_file))
+    block = loaded.model.layers[0]
+    qkv = block.attn.qkv
+    replacement = Linear(qkv.in_features, qkv.out_features, qkv.bias is not None)
+    block.attn.qkv = replacement
+    assert "both quantized and float linears" in unsupported_reason(loaded.model)
+
+
+# --- the quantized embedding op ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_quantized_embedding_rows(fmt, isa):
+    table = torch.randn(50, 96)
+    q = quantize_weight(table, fmt)
+    full = dequantize_weight(q, fmt, 96)
+    ids = torch.tensor([3, 0, 49, 3, 17])
+    for index in (ids, ids.int(), ids[:0]):
+        got = ops.quantized_embedding(index, q, fmt, 96)
+        assert got.dtype == torch.float32 and torch.equal(got, full[index.long()])
+    many = torch.randint(0, 50, (700,))  # the threaded path
+    assert torch.equal(ops.quantized_embedding(many, q, fmt, 96), full[many])
+
+
+def test_quantized_embedding_opcheck():
+    q = quantize_weight(torch.randn(20, 64), "q4_1")
+    for ids in (torch.tensor([1, 19, 4]), torch.tensor([2], dtype=torch.int32)):
+        torch.library.opcheck(torch.ops.orca.quantized_embedding.default, (ids, q, "q4_1", 64))
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(format="q5_0"), "format must be one of 'q8_0', 'q4_0', 'q4_1', got 'q5_0'"),
+    (dict(ids=torch.tensor([0, 6])), "ids[1] = 6 is out of range for a table of 6 rows"),
+    (dict(ids=torch.tensor([-1])), "ids[0] = -1 is out of range"),
+    (dict(ids=torch.tensor([0.0])), "ids must be int64 or int32"),
+    (dict(ids=torch.tensor([[0]])), "ids must be 1-D"),
+    (dict(embedding_dim=40), "embedding_dim must be a non-negative multiple of 32, got 40"),
+    (dict(embedding_dim=64), "qweight has 34 bytes per row but embedding_dim = 64"),
+    (dict(qweight=torch.zeros(6, 34, dtype=torch.int8)), "qweight must have dtype"),
+])
+def test_quantized_embedding_errors(change, message):
+    args = dict(ids=torch.tensor([0, 5]), qweight=torch.zeros(6, 34, dtype=torch.uint8),
+                format="q8_0", embedding_dim=32)
+    args.update(change)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        ops.quantized_embedding(**args)
+
+
+# --- configuration -------------------------------------------------------------------------------
+
+
+def test_quantized_models_run_float32_under_auto(gguf_file):
+    assert EngineConfig(str(gguf_file)).dtype == torch.float32
+    assert EngineConfig("orca-tiny", quantization="q4_0").dtype == torch.float32
+    assert EngineConfig(str(gguf_file), quantization="none", dtype="float32").dtype == \
+        torch.float32
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(quantization="int8"), "quantization must be None or one of none, q8_0, q4_0, q4_1, "
+                                "got 'int8'"),
+    (dict(quantization="q8_0", dtype="float16"), "dtype: the quantized kernels take float32 or "
+                                                 "bfloat16"),
+    (dict(quantization="q8_0", device="cuda"), "quantization: 'q8_0' runs on the CPU only"),
+    (dict(quantization="q4_1", tensor_parallel_size=2), "quantization: 'q4_1' runs in one "
+                                                         "process"),
+])
+def test_config_errors_name_the_bad_value(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig("orca-tiny", **kwargs)
+
+
+def test_a_quantized_model_is_not_saved_as_a_folder(tmp_path):
+    from orca_ext.model import save_pretrained_folder
+
+    with pytest.raises(ValueError, match="load it with quantization='none' to save it"):
+        save_pretrained_folder(load_model("orca-tiny", quantization="q4_0"), tmp_path)
+
+
+def test_loaded_model_takes_no_quantization():
+    loaded = load_model("orca-tiny")
+    with pytest.raises(ValueError, match="quantization: 'q8_0' asked for a loaded model"):
+        EngineConfig(loaded, quantization="q8_0")
+    with pytest.raises(ValueError, match="quantization must be None or one of"):
+        load_model("orca-tiny", quantization="Q8_0")
+
+
+def test_float_activations_on_request(monkeypatch):
+    """``int8_activations=False`` runs the avx512_vnni path's one- and two-token steps on the
+    activations as given: the float avx512 path's results (the output heads' logits)."""
+    if "avx512_vnni" not in _C.quant_isas():
+        pytest.skip("this CPU does not run the avx512_vnni path")
+    q = quantize_weight(torch.randn(70, 96), "q4_1")
+    op = torch.ops.orca.quantized_linear.default
+    for T in (1, 2):
+        x = torch.randn(T, 96)
+        monkeypatch.setenv("ORCA_QUANT_ISA", "avx512")
+        want = ops.quantized_linear(x, q, "q4_1", 96)
+        monkeypatch.setenv("ORCA_QUANT_ISA", "avx512_vnni")
+        assert torch.equal(ops.quantized_linear(x, q, "q4_1", 96, int8_activations=False), want)
+        assert not torch.equal(ops.quantized_linear(x, q, "q4_1", 96), want)
+        torch.library.opcheck(op, (x, q, "q4_1", 96, None, "none", None, "none", None, None,
+                                   1e-5, False))
