@@ -1,6 +1,6 @@
 """Decode-step time of a model against its memory-bandwidth bound, measured in the same run.
 
-    python bench/model.py [--model orca-tiny] [--dtype float32] [--device cpu]
+    python bench/model.py [--model orca-tiny] [--dtype float32] [--quantization none] [--device cpu]
                           [--batch-sizes 1 4 8 32] [--context 128] [--threads N] [--rounds 7]
 
 A decode step reads every weight once, so it cannot beat ``weight bytes / copy bandwidth``
@@ -104,6 +104,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="orca-tiny")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantization", default=None,
+                        help="none, q8_0, q4_0, q4_1 (default: a GGUF's stored formats)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 32])
     parser.add_argument("--context", type=int, default=128, help="tokens per request")
@@ -115,7 +117,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device,
+                        quantization=args.quantization)
     max_batch = max(args.batch_sizes)
     tokens = max_batch * (args.context + BLOCK_SIZE)
     blocks = num_kv_blocks(loaded.config, BLOCK_SIZE, loaded.dtype, kv_cache_tokens=tokens)
