@@ -14,8 +14,8 @@
 
 namespace orca {
 
-// The most tokens kAvx512Vnni's int8 kernels take: they ran 1.1x-1.5x faster than the float
-// ones at one and two tokens and lost from four to eight (the per-block scaling is per token).
+// The most tokens kAvx512Vnni's int8 kernels take: beyond two, the per-token block scaling
+// costs more than the integer dot products save (bench/quantized_linear.py).
 constexpr int64_t kInt8MaxT = 2;
 
 // 'q8_0', 'q4_0' or 'q4_1'; a RuntimeError naming `what` otherwise.
