@@ -190,6 +190,40 @@ inline at::Tensor normalize_rows(const at::Tensor& x, const InputNorm& norm) {
   return *norm.weight * (h * at::rsqrt(h.square().mean(-1, true) + norm.eps)).to(x.scalar_type());
 }
 
+// What a linear with N output rows of `weight_name` checks beyond its weight: silu_and_mul's
+// even row count, the bias [N], the residual (the output's shape) and the input norm.
+inline InputNorm check_epilogue_inputs(const at::Tensor& x, int64_t N, const char* weight_name,
+                                       Activation act, const std::optional<at::Tensor>& bias,
+                                       const std::optional<at::Tensor>& residual,
+                                       c10::string_view norm,
+                                       const std::optional<at::Tensor>& norm_weight,
+                                       const std::optional<at::Tensor>& norm_bias,
+                                       double norm_eps) {
+  if (act == Activation::kSiluAndMul) {
+    TORCH_CHECK(N % 2 == 0, "silu_and_mul needs ", weight_name, " with 2I rows (gate rows then "
+                "up rows), got an odd number of rows: ", N);
+  }
+  if (bias.has_value()) {
+    check_dim(*bias, "bias", 1, "[N]");
+    check_same_dtype(*bias, "bias", x, "x");
+    check_same_device(*bias, "bias", x, "x");
+    TORCH_CHECK(bias->size(0) == N, "bias has ", bias->size(0), " entries but ", weight_name,
+                " has N = ", N, " rows");
+  }
+  if (residual.has_value()) {
+    const int64_t n_out = act == Activation::kSiluAndMul ? N / 2 : N;
+    check_same_dtype(*residual, "residual", x, "x");
+    check_same_device(*residual, "residual", x, "x");
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == x.size(0) &&
+                    residual->size(1) == n_out,
+                "residual must be the output's shape [", x.size(0), ", ", n_out, "], got shape ",
+                shape_str(*residual));
+  }
+  const InputNorm input_norm{parse_norm(norm), norm_weight, norm_bias, norm_eps};
+  check_input_norm(x, input_norm);
+  return input_norm;
+}
+
 // packed_linear's arguments as both devices' launchers use them (norm refers to the caller's
 // optional tensors).
 struct LinearArgs {
@@ -213,29 +247,8 @@ inline LinearArgs check_linear_inputs(const at::Tensor& x, const at::Tensor& wei
   check_same_device(weight, "weight", x, "x");
   TORCH_CHECK(weight.size(1) == x.size(1), "weight is ", shape_str(weight), " but x is ",
               shape_str(x), ": weight.size(1) must equal x.size(1) (K)");
-  if (act == Activation::kSiluAndMul) {
-    TORCH_CHECK(weight.size(0) % 2 == 0, "silu_and_mul needs weight [2I, K] (gate rows then up "
-                "rows), got an odd number of rows: ", shape_str(weight));
-  }
-  if (bias.has_value()) {
-    check_dim(*bias, "bias", 1, "[N]");
-    check_same_dtype(*bias, "bias", x, "x");
-    check_same_device(*bias, "bias", x, "x");
-    TORCH_CHECK(bias->size(0) == weight.size(0), "bias has ", bias->size(0),
-                " entries but weight has N = ", weight.size(0), " rows");
-  }
-  if (residual.has_value()) {
-    const int64_t n_out = act == Activation::kSiluAndMul ? weight.size(0) / 2 : weight.size(0);
-    check_same_dtype(*residual, "residual", x, "x");
-    check_same_device(*residual, "residual", x, "x");
-    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == x.size(0) &&
-                    residual->size(1) == n_out,
-                "residual must be the output's shape [", x.size(0), ", ", n_out, "], got shape ",
-                shape_str(*residual));
-  }
-  const InputNorm input_norm{parse_norm(norm), norm_weight, norm_bias, norm_eps};
-  check_input_norm(x, input_norm);
-  return {act, input_norm};
+  return {act, check_epilogue_inputs(x, weight.size(0), "weight", act, bias, residual, norm,
+                                     norm_weight, norm_bias, norm_eps)};
 }
 
 }  // namespace orca

@@ -303,7 +303,7 @@ at::Tensor logits_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
   if (T == 0 || N == 0 || K == 0) return out.zero_();
   AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "logits_linear", [&] {
     if (T <= kSkinnyMaxT) {
-      return dispatch_skinny_tokens(T, [&]<int kT>() {
+      return cpu::dispatch_tokens(T, [&]<int kT>() {
         skinny_linear<kT, scalar_t, Activation::kNone, float>(x, weight, nullptr, nullptr, out);
       });
     }

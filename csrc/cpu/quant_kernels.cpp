@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #pragma GCC diagnostic pop
 
+#include "orca/cpu/dispatch_tokens.h"
 #include "orca/cpu/quant_avx2.h"
 #include "orca/cpu/quant_avx512.h"
 #include "orca/cpu/quant_portable.h"
@@ -28,21 +29,6 @@ void dispatch_format(Format format, const Fn& f) {
     case Format::kQ8_0: return f.template operator()<Format::kQ8_0>();
     case Format::kQ4_0: return f.template operator()<Format::kQ4_0>();
     case Format::kQ4_1: return f.template operator()<Format::kQ4_1>();
-  }
-}
-
-// f.template operator()<kT>() for T tokens (1 to kMaxDotTokens).
-template <typename Fn>
-void dispatch_tokens(int64_t T, const Fn& f) {
-  switch (T) {
-    case 1: return f.template operator()<1>();
-    case 2: return f.template operator()<2>();
-    case 3: return f.template operator()<3>();
-    case 4: return f.template operator()<4>();
-    case 5: return f.template operator()<5>();
-    case 6: return f.template operator()<6>();
-    case 7: return f.template operator()<7>();
-    default: return f.template operator()<8>();
   }
 }
 

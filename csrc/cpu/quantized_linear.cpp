@@ -79,30 +79,8 @@ QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& q
               " bytes per row but in_features = ", in_features, " in ", std::string(format),
               " blocks takes ", row_bytes, " (", cpu::quant::block_bytes(fmt), " bytes per ",
               cpu::quant::kBlockSize, " weights)");
-  const int64_t N = qweight.size(0);
-  if (act == Activation::kSiluAndMul) {
-    TORCH_CHECK(N % 2 == 0, "silu_and_mul needs qweight with 2I rows (gate rows then up rows), "
-                "got an odd number of rows: ", N);
-  }
-  if (bias.has_value()) {
-    check_dim(*bias, "bias", 1, "[N]");
-    check_same_dtype(*bias, "bias", x, "x");
-    check_same_device(*bias, "bias", x, "x");
-    TORCH_CHECK(bias->size(0) == N, "bias has ", bias->size(0), " entries but qweight has N = ",
-                N, " rows");
-  }
-  if (residual.has_value()) {
-    const int64_t n_out = act == Activation::kSiluAndMul ? N / 2 : N;
-    check_same_dtype(*residual, "residual", x, "x");
-    check_same_device(*residual, "residual", x, "x");
-    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == x.size(0) &&
-                    residual->size(1) == n_out,
-                "residual must be the output's shape [", x.size(0), ", ", n_out, "], got shape ",
-                shape_str(*residual));
-  }
-  const InputNorm input_norm{parse_norm(norm), norm_weight, norm_bias, norm_eps};
-  check_input_norm(x, input_norm);
-  return {fmt, act, input_norm};
+  return {fmt, act, check_epilogue_inputs(x, qweight.size(0), "qweight", act, bias, residual,
+                                          norm, norm_weight, norm_bias, norm_eps)};
 }
 
 namespace {

@@ -11,6 +11,7 @@
 #include "bf16_dot.h"
 #include "ceil_div.h"
 #include "checks.h"
+#include "orca/cpu/dispatch_tokens.h"
 #include "orca/cpu/math.h"
 #include "orca/cpu/skinny_linear.h"
 
@@ -147,25 +148,10 @@ void skinny_blocks(const void* x_ptr, const scalar_t* w, int64_t K, int64_t N,
   }
 }
 
-// f.template operator()<kT>() for T tokens (1 to kSkinnyMaxT).
-template <typename F>
-void dispatch_skinny_tokens(int64_t T, const F& f) {
-  switch (T) {
-    case 1: return f.template operator()<1>();
-    case 2: return f.template operator()<2>();
-    case 3: return f.template operator()<3>();
-    case 4: return f.template operator()<4>();
-    case 5: return f.template operator()<5>();
-    case 6: return f.template operator()<6>();
-    case 7: return f.template operator()<7>();
-    default: return f.template operator()<8>();
-  }
-}
-
 // f.template operator()<kT, a>() for T tokens (1 to kSkinnyMaxT) and the activation act.
 template <typename F>
 void dispatch_skinny(int64_t T, Activation act, const F& f) {
-  dispatch_skinny_tokens(T, [&]<int kT>() {
+  cpu::dispatch_tokens(T, [&]<int kT>() {
     switch (act) {
       case Activation::kNone: return f.template operator()<kT, Activation::kNone>();
       case Activation::kGeluTanh: return f.template operator()<kT, Activation::kGeluTanh>();
