@@ -6,7 +6,9 @@ Two workloads, each run in-process (``AsyncEngine``) on one loaded model (defaul
 ``smollm2-135m-instruct``), a fresh engine (an empty cache) per run:
 - ``system_prompt``: ``--num-requests`` requests share one ``--system-len``-token system prompt,
   each followed by its own question of ``--question-len`` U[MIN, MAX] tokens, and generate
-  ``--output-len`` tokens; Poisson arrivals at ``--rate`` requests/s (open loop).
+  ``--output-len`` tokens; Poisson arrivals at each ``--rate`` requests/s (open loop; default
+  4/s, and ``inf``: all at once, so the throughput is each setting's capacity rather than
+  the offered load).
 - ``multi_turn``: ``--conversations`` conversations of ``--turns`` turns, starting as a Poisson
   process at ``--conversation-rate``; each turn sends the conversation so far (every earlier
   message and answer) plus a new message of ``--message-len`` U[MIN, MAX] tokens, as soon as the
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import random
 import sys
 import time
@@ -65,12 +68,12 @@ def _arrivals(rng: random.Random, n: int, rate: float) -> list[float]:
     return times
 
 
-def system_prompt_stream(args: argparse.Namespace, vocab: list[int]
+def system_prompt_stream(args: argparse.Namespace, vocab: list[int], rate: float
                          ) -> list[tuple[float, list[int]]]:
     """(arrival, prompt) per request: one shared system prompt, then an own question."""
     rng = random.Random(f"{args.seed}:system")
     system = _tokens(rng, args.system_len, vocab)
-    arrivals = _arrivals(rng, args.num_requests, args.rate)
+    arrivals = _arrivals(rng, args.num_requests, rate)
     return [(at, system + _tokens(rng, rng.randint(*args.question_len), vocab))
             for at in arrivals]
 
@@ -146,17 +149,19 @@ def summarize(records: Sequence[Record], duration: float, before: Any,
             "cached_prompt_tokens": sum(r.cached_tokens for r in done)}
 
 
-def _line(workload: str, policy: str, caching: bool, point: dict[str, Any]) -> str:
+def _line(workload: str, rate: float | None, policy: str, caching: bool,
+          point: dict[str, Any]) -> str:
     ttft = point["ttft"]
-    return (f"{workload:<14}{policy:<7}{'on' if caching else 'off':<5}"
+    return (f"{workload:<14}{'-' if rate is None else f'{rate:g}':>5} {policy:<7}"
+            f"{'on' if caching else 'off':<5}"
             f"{point['completed']:>4}/{point['num_requests']:<4}"
             f"{ttft['p50'] * 1e3:>10.0f}{ttft['p90'] * 1e3:>10.0f}"
             f"{point['output_throughput']:>11.1f}{point['request_throughput']:>8.2f}"
             f"{point['hit_rate']:>8.0%}")
 
 
-HEADER = (f"{'workload':<14}{'policy':<7}{'cache':<5}{'done':>9}{'TTFT p50':>10}{'p90 ms':>10}"
-          f"{'out tok/s':>11}{'req/s':>8}{'hits':>8}")
+HEADER = (f"{'workload':<14}{'rate':>5} {'policy':<7}{'cache':<5}{'done':>9}{'TTFT p50':>10}"
+          f"{'p90 ms':>10}{'out tok/s':>11}{'req/s':>8}{'hits':>8}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -169,7 +174,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--question-len", type=int, nargs=2, default=[32, 128],
                         metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--rate", type=float, default=4.0, help="system_prompt: requests/s")
+    parser.add_argument("--rate", type=float, nargs="+", default=[4.0, math.inf],
+                        help="system_prompt: requests/s, one pair of runs each (inf: at once)")
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--message-len", type=int, nargs=2, default=[256, 512],
@@ -192,13 +198,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     loaded = serving.load(args)
     special = set(loaded.eos_token_ids) | {loaded.config.bos_token_id}
     vocab = [t for t in range(loaded.config.vocab_size) if t not in special]
-    streams = {"system_prompt": system_prompt_stream(args, vocab),
-               "multi_turn": conversation_stream(args, vocab)}
+    streams = {("system_prompt", rate): system_prompt_stream(args, vocab, rate)
+               for rate in args.rate}
+    streams["multi_turn", None] = conversation_stream(args, vocab)
     runners = {"system_prompt": (run_system_prompt, args.output_len),
                "multi_turn": (run_multi_turn, args.answer_len)}
     print(HEADER, flush=True)
     points = []
-    for workload in args.workloads:
+    for (workload, rate), stream in streams.items():
+        if workload not in args.workloads:
+            continue
         for policy in args.policy:
             by_setting = {}
             for caching in (False, True):
@@ -213,18 +222,18 @@ def main(argv: Sequence[str] | None = None) -> None:
                     asyncio.run(run_system_prompt(engine, [(0.0, p) for p in warm], 4))
                     run, max_tokens = runners[workload]
                     monitor, before = serving.OtherCpu(), engine.stats()
-                    records, duration = asyncio.run(run(engine, streams[workload], max_tokens))
+                    records, duration = asyncio.run(run(engine, stream, max_tokens))
                     point = summarize(records, duration, before, engine.stats())
                 finally:
                     engine.shutdown()
-                point.update(workload=workload, policy=policy, caching=caching,
+                point.update(workload=workload, rate=rate, policy=policy, caching=caching,
                              other_cpu=monitor.cores())
                 by_setting[caching] = point
                 points.append(point)
-                print(_line(workload, policy, caching, point), flush=True)
+                print(_line(workload, rate, policy, caching, point), flush=True)
             off, on = by_setting[False], by_setting[True]
             ratios = {q: off["ttft"][q] / on["ttft"][q] for q in ("p50", "p90")}
-            print(f"{'':<14}{policy:<7}TTFT p50 off/on {ratios['p50']:.1f}x, p90 "
+            print(f"{'':<20}{policy:<7}TTFT p50 off/on {ratios['p50']:.1f}x, p90 "
                   f"{ratios['p90']:.1f}x; throughput on/off "
                   f"{on['output_throughput'] / off['output_throughput']:.2f}x", flush=True)
     if args.json:

@@ -459,12 +459,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace, spec: WorkloadSpec) -> dict[str, Any]:
     """``EngineConfig`` keywords: the KV cache holds max_batch_size of the longest requests, so
-    the batch size, not memory, bounds every policy (as in bench/engine.py)."""
+    the batch size, not memory, bounds every policy (as in bench/engine.py); no prefix cache."""
     longest = (spec.prompt_len[1] + spec.output_len[1] if spec.kind == "orca"
                else spec.max_model_len)
     longest = min(longest, spec.max_model_len)
+    # No prefix cache: a sweep sends the same streams to one engine at each rate, and the
+    # request-level baseline cannot cache (bench/prefix.py measures the cache).
     return {"max_batch_size": args.max_batch_size, "block_size": args.block_size,
-            "kv_cache_tokens": args.kv_cache_tokens or args.max_batch_size * longest}
+            "kv_cache_tokens": args.kv_cache_tokens or args.max_batch_size * longest,
+            "enable_prefix_caching": False}
 
 
 def spec_for_model(args: argparse.Namespace, loaded: Any | None,

@@ -49,7 +49,9 @@ def ours_runner(loaded: Any, requests: Sequence[serving.WorkloadRequest], max_ba
     from orca_ext.llm import LLM
     from orca_ext.sampling_params import SamplingParams
 
-    llm = LLM(loaded, max_batch_size=max_batch_size, kv_cache_tokens=kv_cache_tokens)
+    # No prefix cache: each run sends the same prompts again, which it would serve.
+    llm = LLM(loaded, max_batch_size=max_batch_size, kv_cache_tokens=kv_cache_tokens,
+              enable_prefix_caching=False)
     warm = [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)] * 2
     llm.generate([r.prompt[:32] for r in requests[:2]], warm, use_tqdm=False)
     params = [SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True)

@@ -8,12 +8,14 @@ Requests are served first-come first-served: every policy walks them in arrival 
 With prefix caching (orca and paged), a request admitted with a cached prefix of full blocks
 shares those blocks and starts with ``num_computed`` at the prefix's end; every full block whose
 KV is computed is registered in the cache (docs/internals.md, "Prefix caching in the scheduler").
+A waiting request whose next uncached block is one that a scheduled batch is computing waits for
+that batch instead of computing the block again.
 """
 from __future__ import annotations
 
 import bisect
 import sys
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -100,6 +102,10 @@ class Scheduler:
         self._batches: dict[int, Picked] = {}
         self._next_batch_id = 0
         self._ended: list[int] = []  # ids to report in the next batch's finished_request_ids
+        # Prefix caching: hashes of the prompt blocks the batches in flight complete, per batch
+        # and counted over all of them (registered when their batch returns).
+        self._batch_hashes: dict[int, list[int]] = {}
+        self._pending_hashes: Counter[int] = Counter()
 
     @property
     def kv_capacity(self) -> int:
@@ -174,6 +180,11 @@ class Scheduler:
                 num_padding=self._padding(request)))
         output = SchedulerOutput(self._next_batch_id, scheduled, new_requests, self._ended)
         self._batches[output.batch_id] = picked
+        if self.config.enable_prefix_caching:
+            hashes = [h for request, num_new in picked
+                      for h in self._completed_hashes(request, num_new)]
+            self._batch_hashes[output.batch_id] = hashes
+            self._pending_hashes.update(hashes)
         self._next_batch_id += 1
         self._ended = []
         return output
@@ -182,6 +193,7 @@ class Scheduler:
         """Apply a returned batch; return the requests that got a token (finished ones included,
         their KV already freed)."""
         picked = self._batches.pop(output.batch_id)
+        self._pending_hashes.subtract(self._batch_hashes.pop(output.batch_id, []))
         by_id = {}
         for request, num_new in picked:
             request.in_flight = False
@@ -223,6 +235,31 @@ class Scheduler:
         if not self.config.enable_prefix_caching:
             return []
         return request.block_hashes[:(request.num_tokens - 1) // self.allocator.block_size]
+
+    def _completed_hashes(self, request: Request, num_new: int) -> list[int]:
+        """Hashes of ``request``'s prompt blocks that become full when ``num_new`` more of its
+        tokens run."""
+        block_size = self.allocator.block_size
+        return request.block_hashes[request.num_computed // block_size:
+                                    (request.num_computed + num_new) // block_size]
+
+    def _step_hashes(self, batch: Picked) -> set[int]:
+        """Hashes of the prompt blocks the batch being picked completes."""
+        if not self.config.enable_prefix_caching:
+            return set()
+        return {h for request, num_new in batch for h in self._completed_hashes(request, num_new)}
+
+    def _waits_for_prefix(self, prefix_hashes: list[int], step_hashes: set[int]) -> bool:
+        """True if the first uncached block of ``prefix_hashes`` is one that the batch being
+        picked (``step_hashes``) or a batch in flight computes: the request then waits for it
+        and reuses it rather than computing the same KV again (requests sharing a prompt that
+        arrive together). That batch returns, so the wait ends."""
+        if not prefix_hashes:
+            return False
+        hit = self.allocator.num_cached_prefix_blocks(prefix_hashes)
+        if hit == len(prefix_hashes):
+            return False
+        return prefix_hashes[hit] in step_hashes or self._pending_hashes[prefix_hashes[hit]] > 0
 
     def _admit(self, request: Request, num_tokens: int, prefix_hashes: list[int]) -> bool:
         """Move the oldest waiting request to running with KV for ``num_tokens``, sharing the
@@ -275,13 +312,18 @@ class OrcaScheduler(Scheduler):
             if len(batch) == max_batch_size:
                 return batch
             batch.append((request, request.num_tokens - request.num_computed))
+        step_hashes = self._step_hashes(batch)
         while self.waiting and len(batch) < max_batch_size:
             # The reservation counts only the blocks it newly takes: shared cached blocks stay
             # held by it until it ends, so no other request's end can starve it.
             request = self.waiting[0]
-            if not self._admit(request, request.max_total_tokens, self._prefix_hashes(request)):
+            prefix = self._prefix_hashes(request)
+            if (self._waits_for_prefix(prefix, step_hashes)
+                    or not self._admit(request, request.max_total_tokens, prefix)):
                 break
-            batch.append((request, request.num_tokens - request.num_computed))
+            num_new = request.num_tokens - request.num_computed
+            batch.append((request, num_new))
+            step_hashes.update(self._completed_hashes(request, num_new))
         return batch
 
 
@@ -378,9 +420,12 @@ class PagedScheduler(Scheduler):
         if self.num_preemptions != preemptions:
             return batch  # memory is short: let the running requests drain first
         block_size = self.allocator.block_size
+        step_hashes = self._step_hashes(batch)
         while self.waiting and len(batch) < max_batch_size and budget > 0:
             request = self.waiting[0]
             prefix = self._prefix_hashes(request)
+            if self._waits_for_prefix(prefix, step_hashes):
+                break
             if prefix:
                 prefix = prefix[:self.allocator.num_cached_prefix_blocks(prefix)]
             num_cached = len(prefix) * block_size  # reused tokens cost no budget
@@ -389,6 +434,7 @@ class PagedScheduler(Scheduler):
                 break
             batch.append((request, num_new))
             budget -= num_new
+            step_hashes.update(self._completed_hashes(request, num_new))
         return batch
 
     def _grow(self, request: Request, total_tokens: int, chosen: set[int]) -> bool:

@@ -370,6 +370,50 @@ def test_paged_recompute_hits_its_own_cached_blocks():
     assert restarts and any(rows[i].num_computed > 0 for i in restarts)
 
 
+@pytest.mark.parametrize("policy", ["orca", "paged"])
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_arrivals_sharing_a_prompt_wait_for_its_blocks(policy, in_flight):
+    """Requests sharing a prompt that arrive together: the first computes it, the others wait
+    for its batch and then reuse it, instead of all computing the same blocks at once."""
+    h = Harness(_real_allocator(), policy, block_size=4, num_batches_in_flight=in_flight,
+                prefix_caching=True)
+    first = h.add(0, 3, SYSTEM[:20] + [1])
+    others = [h.add(0, 3, SYSTEM[:20] + [2 + i]) for i in range(3)]
+    h.step()
+    (batch,) = h.runner.batches
+    assert [r.request_id for r in batch.requests] == [first.request_id]
+    h.run()
+    h.check_outputs()
+    assert [r.num_cached_tokens for r in others] == [20, 20, 20]
+    assert h.allocator.prefix_hits == 60
+
+
+@pytest.mark.parametrize("policy", ["orca", "paged"])
+def test_wait_for_a_prefix_only_for_blocks_being_computed(policy):
+    """A request whose prompt shares no block with the batch being computed is admitted with
+    it; one that shares blocks already cached is admitted too (nothing to wait for)."""
+    h = Harness(_real_allocator(), policy, block_size=4, prefix_caching=True)
+    h.add(0, 2, SYSTEM[:8] + [1])
+    h.run()
+    cached = h.add(0, 2, SYSTEM[:8] + [2])  # its shared blocks are already in the cache
+    unrelated = h.add(9, 2)
+    out = h.scheduler.schedule()
+    assert [r.request_id for r in out.requests] == [cached.request_id, unrelated.request_id]
+    h.pending.append(out)
+    h.run()
+    h.check_outputs()
+
+
+def test_paged_waits_for_a_shared_prompt_computed_in_chunks():
+    h = Harness(_real_allocator(), "paged", block_size=4, max_num_batched_tokens=8,
+                prefix_caching=True)
+    first = h.add(0, 2, SYSTEM[:24] + [1])
+    second = h.add(0, 2, SYSTEM[:24] + [2])
+    h.run()
+    h.check_outputs()
+    assert second.num_cached_tokens == 24 and first.num_cached_tokens == 0
+
+
 def test_prefix_caching_needs_orca_or_paged():
     with pytest.raises(ValueError, match="policy='request'"):
         SchedulerConfig("request", enable_prefix_caching=True)

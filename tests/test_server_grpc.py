@@ -45,6 +45,17 @@ def test_generate(stub):
     assert r.usage.total_tokens == 14
 
 
+def test_usage_reports_cached_prompt_tokens(stub):
+    """The second request for a 40-token prompt reuses its first two 16-token blocks."""
+    prompt = orca_pb2.TokenIds(ids=[(7 * i + 5) % 200 + 1 for i in range(40)])
+    request = orca_pb2.GenerateRequest(token_ids=prompt, params=Params(max_tokens=2))
+    first = stub.Generate(request, timeout=60)
+    second = stub.Generate(request, timeout=60)
+    assert first.usage.cached_tokens == 0 and second.usage.cached_tokens == 32
+    streamed = list(stub.GenerateStream(request, timeout=60))
+    assert streamed[-1].usage.cached_tokens == 32
+
+
 def test_stream_matches_unary(stub):
     request = orca_pb2.GenerateRequest(token_ids=orca_pb2.TokenIds(ids=[1, 2, 3]),
                                        params=Params(max_tokens=7, temperature=0,

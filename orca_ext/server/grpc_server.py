@@ -141,7 +141,8 @@ def _usage(output: RequestOutput) -> orca_pb2.Usage:
     prompt = len(output.prompt_token_ids)
     completion = sum(len(c.token_ids) for c in output.outputs)
     return orca_pb2.Usage(prompt_tokens=prompt, completion_tokens=completion,
-                          total_tokens=prompt + completion)
+                          total_tokens=prompt + completion,
+                          cached_tokens=output.num_cached_tokens or 0)
 
 
 async def start_grpc_server(
