@@ -85,13 +85,15 @@ inline void weight_pair(const uint8_t* b0, bool both, __m512i& bytes, __m512& d,
     bytes = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
                              _mm512_set1_epi8(static_cast<char>(0x80)));
   } else {
-    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + qs));
-    const __m128i q1 = both ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + qs))
-                            : _mm_setzero_si128();
-    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
-    bytes = _mm512_and_si512(
-        _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1),
-        _mm512_set1_epi8(15));
+    // [b0's 16 bytes | b1's | b0's | b1's] by broadcast loads (load ports, not the shuffle
+    // port the dot's scales already keep busy), then the upper half's high nibbles.
+    const auto* q0 = reinterpret_cast<const __m128i*>(b0 + qs);
+    const auto* q1 = reinterpret_cast<const __m128i*>(b1 + qs);
+    __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128(q0));
+    v = both ? _mm512_mask_broadcast_i32x4(v, 0xF0F0, _mm_loadu_si128(q1))
+             : _mm512_maskz_mov_epi32(0x0F0F, v);
+    bytes = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4),
+                             _mm512_set1_epi8(15));
   }
   // d0, m0, d1, m1 (q4_1) or d0, d1 as floats, then spread over the lanes of their blocks.
   uint32_t h0 = 0, h1 = 0;
