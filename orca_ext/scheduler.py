@@ -193,7 +193,10 @@ class Scheduler:
         """Apply a returned batch; return the requests that got a token (finished ones included,
         their KV already freed)."""
         picked = self._batches.pop(output.batch_id)
-        self._pending_hashes.subtract(self._batch_hashes.pop(output.batch_id, []))
+        for h in self._batch_hashes.pop(output.batch_id, []):
+            self._pending_hashes[h] -= 1
+            if not self._pending_hashes[h]:
+                del self._pending_hashes[h]  # only the batches in flight stay counted
         by_id = {}
         for request, num_new in picked:
             request.in_flight = False

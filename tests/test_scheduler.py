@@ -386,6 +386,7 @@ def test_arrivals_sharing_a_prompt_wait_for_its_blocks(policy, in_flight):
     h.check_outputs()
     assert [r.num_cached_tokens for r in others] == [20, 20, 20]
     assert h.allocator.prefix_hits == 60
+    assert not h.scheduler._pending_hashes  # nothing is left counted once every batch returned
 
 
 @pytest.mark.parametrize("policy", ["orca", "paged"])
