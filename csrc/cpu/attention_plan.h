@@ -7,10 +7,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "bf16_dot.h"
 #include "ceil_div.h"
 #include "checks.h"
 #include "orca/cpu/attention.h"
@@ -147,6 +150,41 @@ inline Plan make_plan(const AttentionShape& s, const int32_t* cu, const int32_t*
   plan.items.reserve(items.size());
   for (const auto& it : items) plan.items.push_back(it.second);
   return plan;
+}
+
+// The prefill-like items' kernels for bfloat16: ORCA_ATTENTION_ISA (read at each call, so tests
+// can switch it) where set, else the best this build and CPU run (amx, avx512bf16, portable).
+inline cpu::AttentionIsa chosen_attention_isa() {
+  using cpu::AttentionIsa;
+  const char* forced = std::getenv("ORCA_ATTENTION_ISA");
+  if (forced == nullptr || *forced == '\0') {
+    for (const AttentionIsa isa : {AttentionIsa::kAmx, AttentionIsa::kAvx512Bf16}) {
+      if (cpu::attention_isa_supported(isa)) return isa;
+    }
+    return AttentionIsa::kPortable;
+  }
+  for (const auto& [name, isa] : cpu::kAttentionIsaNames) {
+    if (std::string(forced) != name) continue;
+    TORCH_CHECK(cpu::attention_isa_supported(isa), "ORCA_ATTENTION_ISA=", forced,
+                " but this build or CPU does not support that path");
+    return isa;
+  }
+  TORCH_CHECK(false, "ORCA_ATTENTION_ISA must be one of 'portable', 'avx512bf16', 'amx', got '",
+              forced, "'");
+}
+
+// f.template operator()<kIsa>() for the path isa takes with scalar_t: the portable kernels for
+// every dtype but bfloat16 (and for bfloat16 where the build has no pair kernels).
+template <typename scalar_t, typename F>
+void dispatch_attention_isa(cpu::AttentionIsa isa, const F& f) {
+  using cpu::AttentionIsa;
+  if constexpr (kBf16Dot<scalar_t>) {
+#if defined(ORCA_ATTENTION_AMX)
+    if (isa == AttentionIsa::kAmx) return f.template operator()<AttentionIsa::kAmx>();
+#endif
+    if (isa != AttentionIsa::kPortable) return f.template operator()<AttentionIsa::kAvx512Bf16>();
+  }
+  return f.template operator()<AttentionIsa::kPortable>();
 }
 
 // f.template operator()<kD>() with the head dim as a compile-time constant where a vector
