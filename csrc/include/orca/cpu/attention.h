@@ -573,15 +573,12 @@ void attend_lanes(const AttentionArgs<scalar_t>& a, const AttentionWork& w, int6
 constexpr int64_t kAmxKv = 64;  // keys per AMX KV tile
 constexpr float kLazyLog2 = 8.f;  // how far past a row's m its scores may go (log2 units)
 
-
 // attend_lanes (same contract) on AMX tiles: bfloat16 q and caches, kD a multiple of 32. Per
 // KV tile of kAmxKv keys: S^T [key][W] = K . Q^T (K rows the A tiles, loaded in place where a
 // block holds 16 of them in a row; Q^T as bf16 pairs the B tiles), the online softmax
 // element-wise across the rows (P^T rounded to bf16 pairs: the B tiles of P.V), then
-// O^T [D][W] = O^T * alpha + V^T . P^T (V^T transposed per tile: the A tiles).
-// Software-pipelined over tiles: the next tile's S^T tile products are issued between pieces
-// of this tile's softmax, and its V^T transposes between this tile's P.V products, so the tile
-// unit and the vector units work at the same time (each alone leaves the other idle).
+// O^T [D][W] = O^T * alpha + V^T . P^T (V^T transposed per tile: the A tiles). The tile unit
+// and the vector units do not overlap on one core, so the steps run one after the other.
 template <int kD, int kRV, typename scalar_t>
 void attend_lanes_amx(const AttentionArgs<scalar_t>& a, const AttentionWork& w, int64_t h,
                       int64_t row_base, int64_t row_begin, int64_t count, int64_t first_pos,
@@ -595,23 +592,36 @@ void attend_lanes_amx(const AttentionArgs<scalar_t>& a, const AttentionWork& w, 
   const auto* v_cache = reinterpret_cast<const uint16_t*>(a.v_cache);
 
   // Q^T as pairs; padding lanes are zero, at position -1 (they see no key, never read).
-  sc.q_pairs.assign(kD / 2 * W, 0);
+  // 16 rows at a time: each row's kD / 2 words, transposed 16 x 16.
+  sc.q_pairs.resize(kD / 2 * W);
   alignas(64) int32_t pos[W];
   for (int r = 0; r < W; ++r) pos[r] = r < count ? first_pos + (row_begin + r) / G : -1;
-  for (int64_t r = 0; r < count; ++r) {
-    const RowPlace at = row_place(a, w, row_base + row_begin + r);
-    const scalar_t* src = a.q + at.token * a.q_stride_token + at.q_head * a.q_stride_head;
-    for (int i = 0; i < kD / 2; ++i) std::memcpy(&sc.q_pairs[i * W + r], src + 2 * i, 4);
+  for (int rv = 0; rv < kRV; ++rv) {
+    for (int c = 0; c < kD / 32; ++c) {
+      __m512i words[16];
+      for (int r = 0; r < 16; ++r) {
+        const int64_t row = 16 * rv + r;
+        if (row < count) {
+          const RowPlace at = row_place(a, w, row_base + row_begin + row);
+          const scalar_t* src = a.q + at.token * a.q_stride_token + at.q_head * a.q_stride_head;
+          words[r] = _mm512_loadu_si512(src + 32 * c);
+        } else {
+          words[r] = _mm512_setzero_si512();
+        }
+      }
+      amx::transpose16(words);
+      for (int i = 0; i < 16; ++i) {
+        _mm512_storeu_si512(sc.q_pairs.data() + (16 * c + i) * W + 16 * rv, words[i]);
+      }
+    }
   }
   __m512i row_pos[kRV];
   for (int rv = 0; rv < kRV; ++rv) row_pos[rv] = _mm512_load_si512(pos + 16 * rv);
-  const int64_t min_pos = pos[0];
 
-  // Two of each per-tile buffer (this tile's and the next's): S^T, gathered K rows, V^T.
-  sc.s_t.resize(2 * kKv * W);
-
-  sc.k_rows.resize(2 * kKv * kD);
-  sc.v_t.resize(2 * kD * kKv);
+  // Per tile: S^T, gathered K rows, V^T, P^T pairs; the item's O^T.
+  sc.s_t.resize(kKv * W);
+  sc.k_rows.resize(kKv * kD);
+  sc.v_t.resize(kD * kKv);
   sc.p_pairs.resize(kKv / 2 * W);
   sc.o_t.assign(kD * W, 0.f);
   sc.zero_row.assign(kD, 0.f);
@@ -633,7 +643,8 @@ void attend_lanes_amx(const AttentionArgs<scalar_t>& a, const AttentionWork& w, 
   struct Tile {
     int64_t t0, nt;
     int nkt, nks;  // key tiles of 16, key steps of 32
-    bool masked;   // crosses the causal diagonal or is short
+    bool short_tile;  // nt is not a multiple of 16
+    int rt_begin;  // the row tiles before it (pairs) see none of its keys: skipped
     float* s;
     uint16_t* v_t;
     const char* k_tiles[kKv / 16];
@@ -641,15 +652,21 @@ void attend_lanes_amx(const AttentionArgs<scalar_t>& a, const AttentionWork& w, 
   };
   // A tile's K and V row addresses (slot offsets walked block by block: no division per key),
   // K rows gathered where they cannot be loaded in place.
-  const auto prepare = [&](Tile& tl, int64_t t0, int buf) {
+  const auto prepare = [&](Tile& tl, int64_t t0) {
     tl.t0 = t0;
     tl.nt = std::min<int64_t>(kKv, w.kv_end - t0);
     tl.nkt = static_cast<int>((tl.nt + 15) / 16);
     tl.nks = static_cast<int>((tl.nt + 31) / 32);
-    tl.masked = tl.nt % 16 != 0 || t0 + tl.nt - 1 > min_pos;
-    tl.s = sc.s_t.data() + buf * kKv * W;
-    tl.v_t = sc.v_t.data() + buf * kD * kKv;
-    uint16_t* k_rows = sc.k_rows.data() + buf * kKv * kD;
+    tl.short_tile = tl.nt % 16 != 0;
+    // Positions grow with the row, so the rows that see none of the keys come first.
+    tl.rt_begin = 0;
+    while (tl.rt_begin + 2 < kRV &&
+           pos[std::min<int64_t>(16 * tl.rt_begin + 31, count - 1)] < t0) {
+      tl.rt_begin += 2;
+    }
+    tl.s = sc.s_t.data();
+    tl.v_t = sc.v_t.data();
+    uint16_t* k_rows = sc.k_rows.data();
     int64_t block = t0 / a.block_size, slot = t0 % a.block_size;
     for (int64_t j = 0; j < tl.nt; ++j, ++slot) {
       if (slot == a.block_size) {
@@ -713,12 +730,14 @@ void attend_lanes_amx(const AttentionArgs<scalar_t>& a, const AttentionWork& w, 
   };
   // Softmax of one row vector (16 rows): scores of keys a row does not see become -inf (only
   // in masked tiles), the tile maximum, then p (as bf16 pairs), l, m, and O^T's columns of
-  // these rows scaled by alpha (skipped where no maximum moved). hook() runs between pieces.
-  const auto softmax = [&](const Tile& tl, int rv, const auto& hook) {
+  // these rows scaled by alpha (skipped where no maximum moved).
+  const auto softmax = [&](const Tile& tl, int rv) {
     float* const s = tl.s + 16 * rv;
+    // Masks only where the tile is short or crosses these rows' causal diagonal.
+    const bool masked = tl.short_tile || tl.t0 + tl.nt - 1 > pos[16 * rv];
     for (int64_t j = tl.nkt * 16; j < tl.nks * 32; ++j) _mm512_storeu_ps(s + j * W, neg_inf);
     __m512 tile_max = neg_inf;
-    if (tl.masked) {
+    if (masked) {
       for (int64_t j = 0; j < tl.nkt * 16; ++j) {
         const __m512i key =
             _mm512_set1_epi32(j < tl.nt ? static_cast<int>(tl.t0 + j) : INT32_MAX);
@@ -732,7 +751,6 @@ void attend_lanes_amx(const AttentionArgs<scalar_t>& a, const AttentionWork& w, 
         tile_max = _mm512_max_ps(tile_max, _mm512_loadu_ps(s + j * W));
       }
     }
-    hook();
     // Lazy maximum: a row's m moves only when the tile's maximum passes it by more than
     // kLazyLog2 (in log2 units; p stays <= 2^kLazyLog2), so O^T is rarely rescaled.
     const __m512 m_old = _mm512_load_ps(m + 16 * rv);
@@ -756,11 +774,10 @@ void attend_lanes_amx(const AttentionArgs<scalar_t>& a, const AttentionWork& w, 
             _mm512_fmadd_ps(_mm512_loadu_ps(s + (2 * i + 1) * W), c, nb));
         sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
         _mm512_storeu_si512(sc.p_pairs.data() + i * W + 16 * rv, amx::round_pairs(e0, e1));
-        if (i % 8 == 7) hook();
       }
     };
     // -inf scores: masked tiles, and the padding of an odd number of key tiles.
-    if (tl.masked || tl.nkt % 2 == 1) {
+    if (masked || tl.nkt % 2 == 1) {
       exp_pass.template operator()<true>();
     } else {
       exp_pass.template operator()<false>();
@@ -780,41 +797,31 @@ void attend_lanes_amx(const AttentionArgs<scalar_t>& a, const AttentionWork& w, 
   const unsigned int csr = _mm_getcsr();
   _mm_setcsr(csr | 0x8040);
   amx::configure_tiles();
-  Tile tiles[2];
-  prepare(tiles[0], w.kv_begin, 0);
-  for (int i = 0; i < kRT * tiles[0].nkt; ++i) qk_chunk(tiles[0], i);
-  for (int i = 0; i < tiles[0].nks * kDT; ++i) vt_chunk(tiles[0], i);
-  int cur = 0;
-  for (int64_t t0 = w.kv_begin; t0 < w.kv_end; t0 += kKv, cur ^= 1) {
-    const Tile& tl = tiles[cur];
-    Tile& next = tiles[cur ^ 1];
-    const bool has_next = t0 + kKv < w.kv_end;
-    if (has_next) prepare(next, t0 + kKv, cur ^ 1);
-    // This tile's softmax, the next tile's S^T pieces spread over it (5 hooks a row vector).
-    const int qk_total = has_next ? kRT * next.nkt : 0, hooks = 5 * kRV;
-    int qk_done = 0, hook_count = 0;
-    const auto hook = [&] {
-      const int due = qk_total * ++hook_count / hooks;
-      while (qk_done < due) qk_chunk(next, qk_done++);
-    };
-    for (int rv = 0; rv < kRV; ++rv) softmax(tl, rv, hook);
-    while (qk_done < qk_total) qk_chunk(next, qk_done++);
-    // This tile's P.V, the next tile's V^T pieces spread over it.
-    const int vt_total = has_next ? next.nks * kDT : 0;
-    int vt_done = 0;
-    for (int i = 0; i < kRT * kDT; ++i) {
-      pv_chunk(tl, i);
-      const int due = vt_total * (i + 1) / (kRT * kDT);
-      while (vt_done < due) vt_chunk(next, vt_done++);
-    }
+  Tile tl;
+  for (int64_t t0 = w.kv_begin; t0 < w.kv_end; t0 += kKv) {
+    prepare(tl, t0);
+    for (int i = tl.rt_begin / 2 * tl.nkt; i < kRT * tl.nkt; ++i) qk_chunk(tl, i);
+    for (int i = 0; i < tl.nks * kDT; ++i) vt_chunk(tl, i);
+    for (int rv = tl.rt_begin; rv < kRV; ++rv) softmax(tl, rv);
+    for (int i = tl.rt_begin / 2 * kDT; i < kRT * kDT; ++i) pv_chunk(tl, i);
   }
   _tile_release();
   _mm_setcsr(csr);
   // m in the units of the other paths: the scaled scores'.
   const int64_t row0 = row_base + row_begin;
+  for (int rv = 0; rv < kRV; ++rv) {
+    for (int dt = 0; dt < kDT; ++dt) {
+      __m512i x[16];
+      for (int i = 0; i < 16; ++i) {
+        x[i] = _mm512_loadu_si512(sc.o_t.data() + (16 * dt + i) * W + 16 * rv);
+      }
+      amx::transpose16(x);
+      for (int r = 0; r < 16 && 16 * rv + r < count; ++r) {
+        _mm512_storeu_si512(sc.acc.data() + (row0 + 16 * rv + r) * kD + 16 * dt, x[r]);
+      }
+    }
+  }
   for (int64_t r = 0; r < count; ++r) {
-    float* acc = sc.acc.data() + (row0 + r) * kD;
-    for (int d = 0; d < kD; ++d) acc[d] = sc.o_t[d * W + r];
     sc.m[row0 + r] = m[r] * a.scale;
     sc.l[row0 + r] = l[r];
   }

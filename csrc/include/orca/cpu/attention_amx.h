@@ -49,7 +49,9 @@ inline void configure_tiles() {
     config.colsb[t] = 64;
     config.rows[t] = 16;
   }
-  _tile_loadconfig(&config);
+  // ldtilecfg on the whole struct as a memory operand: GCC 12's _tile_loadconfig names only
+  // its first 8 bytes, so the stores of colsb and rows could be dropped as dead.
+  asm volatile("ldtilecfg %0" ::"m"(config));
 }
 
 // One block of C += A . B over `steps` K-steps of 32 bf16: kNA row tiles of A (a0, a1: each
