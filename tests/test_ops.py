@@ -198,13 +198,16 @@ ATTENTION_ISAS = ["portable", "avx512bf16", "amx"]
 # ORCA_ATTENTION_ISA names: float lanes, bf16 pair dot products, or AMX tiles. Query lengths 1 to
 # 600 (not multiples of 16: short AMX key and row tiles, tiles across the causal diagonal)
 # mixed with decodes; chunks over a cached prefix (context > q_len: query positions start at
-# context - q_len, tiles wholly before the diagonal); long contexts split into partials.
+# context - q_len, tiles wholly before the diagonal); long contexts split into partials; long
+# prefills (the AMX path's 128-row items).
 ISA_MIXES = {
     "prefill": ([600], [600]),
     "short": ([2, 3, 9, 16, 31, 47], [2, 40, 9, 100, 31, 47]),
     "chunked": ([77, 1, 130, 1], [300, 45, 130, 1000]),
     "mixed": ([1, 33, 1, 250, 17, 1], [90, 33, 7, 517, 200, 64]),
     "split": ([1, 400], [3000, 2100]),
+    # From 1024 queries the AMX path's items take up to 128 rows (wider row tiles).
+    "long": ([1100, 1, 5], [1300, 50, 5]),
 }
 
 

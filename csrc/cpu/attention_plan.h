@@ -23,6 +23,9 @@ namespace orca {
 using cpu::AttentionWork;
 
 constexpr int64_t kMaxRowsPerItem = 64;  // query rows (queries x group heads) per item
+// With wide items (the AMX kernels), requests of at least this many queries take items of up to
+// cpu::kMaxAmxRows rows; shorter ones keep 64 (wide items were slower there).
+constexpr int64_t kMinWideQueries = 1024;
 // Never split KV ranges below this many positions. Low enough that a decode step over short
 // contexts (batch 1-3, ~128 positions) still gives every thread a share of the KV to read,
 // which beats whole requests per thread there because the merge is cheap.
@@ -82,13 +85,17 @@ inline double longest_thread(const std::vector<Group>& groups, const std::vector
   return *std::max_element(load.begin(), load.end());
 }
 
-inline Plan make_plan(const AttentionShape& s, const int32_t* cu, const int32_t* ctx) {
+// wide_items: long requests' prefill items take up to cpu::kMaxAmxRows rows (the AMX kernels).
+inline Plan make_plan(const AttentionShape& s, const int32_t* cu, const int32_t* ctx,
+                      bool wide_items = false) {
   const int64_t G = s.num_q_heads / s.num_kv_heads;
-  const int64_t q_block = std::max<int64_t>(1, kMaxRowsPerItem / G);
   std::vector<Group> groups;
   double total = 0;
   for (int64_t r = 0; r < s.batch; ++r) {
     const int64_t q_len = cu[r + 1] - cu[r], first_pos = ctx[r] - q_len;
+    const int64_t item_rows =
+        wide_items && q_len >= kMinWideQueries ? cpu::kMaxAmxRows : kMaxRowsPerItem;
+    const int64_t q_block = std::max<int64_t>(1, item_rows / G);
     for (int64_t qb = 0; qb < q_len; qb += q_block) {
       const int64_t qe = std::min(q_len, qb + q_block);
       const int64_t kv_end = first_pos + qe;

@@ -173,7 +173,8 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
   const int32_t* ctx = context_lens.data_ptr<int32_t>();
   const AttentionShape as{T, s.num_heads, s.num_kv_heads, D, k_caches[0].size(0),
                           k_caches[0].size(1), context_lens.size(0), block_table.size(1)};
-  const Plan plan = make_plan(as, cu, ctx);
+  const Plan plan = make_plan(as, cu, ctx, std::is_same_v<scalar_t, c10::BFloat16> &&
+                                                cpu::amx_head_dim(s.attention_isa, D));
   const auto items = static_cast<int64_t>(plan.items.size());
   const auto merges = static_cast<int64_t>(plan.merges.size());
   const auto opts = x.options();

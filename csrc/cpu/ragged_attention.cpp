@@ -54,7 +54,9 @@ at::Tensor ragged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cach
   at::Tensor out = at::empty({s.num_tokens, s.num_q_heads, s.head_dim}, q.options());
   if (s.num_tokens == 0) return out;
 
-  const Plan plan = make_plan(s, cu, ctx);
+  const cpu::AttentionIsa isa = chosen_attention_isa();
+  const bool wide = q.scalar_type() == at::kBFloat16 && cpu::amx_head_dim(isa, s.head_dim);
+  const Plan plan = make_plan(s, cu, ctx, wide);
   at::Tensor part_o = at::empty({plan.partial_rows, s.head_dim}, q.options().dtype(at::kFloat));
   at::Tensor part_ml = at::empty({2, plan.partial_rows}, q.options().dtype(at::kFloat));
   const cpu::Partials part{part_o.data_ptr<float>(), part_ml.data_ptr<float>(),
@@ -65,7 +67,7 @@ at::Tensor ragged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cach
         k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
         cu, ctx, block_table.data_ptr<int32_t>(), s.max_blocks, s.block_size,
         s.num_q_heads, s.num_kv_heads, s.head_dim, static_cast<float>(scale)};
-    dispatch_attention_isa<scalar_t>(chosen_attention_isa(), [&]<cpu::AttentionIsa kIsa>() {
+    dispatch_attention_isa<scalar_t>(isa, [&]<cpu::AttentionIsa kIsa>() {
       dispatch_head_dim(s.head_dim,
                         [&]<int kD>() { run_attention<scalar_t, kD, kIsa>(args, plan, part); });
     });

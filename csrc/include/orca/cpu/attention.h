@@ -92,6 +92,16 @@ inline constexpr std::pair<const char*, AttentionIsa> kAttentionIsaNames[] = {
     {"avx512bf16", AttentionIsa::kAvx512Bf16},
     {"amx", AttentionIsa::kAmx}};
 
+// Rows per pass of the AMX kernels: up to 128, where the plan gives long prefills items that
+// wide (V^T and the K / V addressing shared by more rows).
+constexpr int64_t kMaxAmxRows = 128;
+
+// Whether the path runs head_dim on the AMX kernels for bfloat16 (and so takes wide items).
+inline bool amx_head_dim(AttentionIsa isa, int64_t head_dim) {
+  return isa == AttentionIsa::kAmx &&
+         (head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128);
+}
+
 // Whether this build and CPU run the path: the bf16 pair kernels are compiled in where the build
 // targets AVX512-BF16 (-march=native on such a CPU), the AMX ones likewise and need the OS's
 // grant of tile data.
@@ -855,21 +865,30 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
     if (!direct) {
       for (int64_t h = w.kv_head_begin; h < w.kv_head_end; ++h) {
         const int64_t row_base = (h - w.kv_head_begin) * head_rows;
-        for (int64_t r0 = 0; r0 < head_rows; r0 += kMaxLaneRows) {
-          const int64_t count = std::min(kMaxLaneRows, head_rows - r0);
+        const int64_t pass_rows = kAmx ? kMaxAmxRows : kMaxLaneRows;
+        for (int64_t r0 = 0; r0 < head_rows; r0 += pass_rows) {
+          const int64_t count = std::min(pass_rows, head_rows - r0);
           const auto lanes = [&]<int kRV>() {
 #if defined(ORCA_ATTENTION_AMX)
             if constexpr (kAmx) {
               return attend_lanes_amx<kD, kRV>(a, w, h, row_base, r0, count, first_pos, sc);
             }
 #endif
-            attend_lanes<kD, kRV, kBf16Dot>(a, w, h, row_base, r0, count, first_pos, sc);
+            if constexpr (kRV <= 4) {
+              attend_lanes<kD, kRV, kBf16Dot>(a, w, h, row_base, r0, count, first_pos, sc);
+            }
           };
           switch ((count + 15) / 16) {
             case 1: lanes.template operator()<1>(); break;
             case 2: lanes.template operator()<2>(); break;
             case 3: lanes.template operator()<3>(); break;
-            default: lanes.template operator()<4>();
+            case 4: lanes.template operator()<4>(); break;
+#if defined(ORCA_ATTENTION_AMX)
+            case 5: lanes.template operator()<5>(); break;
+            case 6: lanes.template operator()<6>(); break;
+            case 7: lanes.template operator()<7>(); break;
+            default: lanes.template operator()<8>();
+#endif
           }
         }
       }
