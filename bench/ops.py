@@ -4,11 +4,17 @@
 
 CPU figures (targets on a 2-core machine): packed_linear >= 0.95x F.linear, faster than
 F.linear + a separate activation; ragged_attention >= 2x a per-request SDPA loop and >= 1.5x
-one padded SDPA call on Orca-like mixed batches. On CUDA the figures of bench/ops_cuda.py run.
+one padded SDPA call on Orca-like mixed batches; one causal prefill >= torch's own CPU flash
+attention (F.scaled_dot_product_attention(is_causal=True) on contiguous tensors), float32 and
+bfloat16 (each kernel path ORCA_ATTENTION_ISA can pick). On CUDA the figures of
+bench/ops_cuda.py run.
+
+    python bench/ops.py --only flash    # just the prefill-against-flash-attention rows
 """
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 from pathlib import Path
@@ -19,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import row, time_fn  # noqa: E402
 
-from orca_ext import ops  # noqa: E402
+from orca_ext import _C, ops  # noqa: E402
 from orca_ext.testing import RaggedBatch, random_ragged_batch  # noqa: E402
 
 
@@ -140,6 +146,28 @@ def bench_attention(device: str, seed: int, dtype: torch.dtype) -> None:
             print(row(name, ours, time_fn(pad_fn, device), "padded SDPA"))
 
 
+def bench_flash(device: str) -> None:
+    """One causal prefill of T tokens (12 heads x 64, block_size 16) against torch's CPU flash
+    attention on contiguous [1, 12, T, 64] tensors; bfloat16 on each of our kernel paths."""
+    print("== prefill ragged_attention against F.scaled_dot_product_attention(is_causal=True) ==")
+    paths = {torch.float32: [None], torch.bfloat16: _C.attention_isas()[::-1]}
+    for dtype, isas in paths.items():
+        for T in (128, 512, 2048):
+            batch = random_ragged_batch([T], [T], 12, 12, 64, 16, dtype=dtype, device=device)
+            q, k, v = (torch.randn(1, 12, T, 64, dtype=dtype, device=device) for _ in range(3))
+            flash = time_fn(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                            device)
+            flops = 2 * 2 * T * T * 64 * 12 / 2  # Q.K and P.V over the causal half
+            for isa in isas:
+                if isa is not None:
+                    os.environ["ORCA_ATTENTION_ISA"] = isa
+                ours = time_fn(lambda: ops.ragged_attention(*batch.args()), device)
+                name = f"{str(dtype).split('.')[1]} T={T}" + (f" [{isa}]" if isa else "")
+                print(row(name, ours, flash, "flash") +
+                      f"   {flops / ours / 1e9:4.0f} / {flops / flash / 1e9:4.0f} GFLOP/s")
+            os.environ.pop("ORCA_ATTENTION_ISA", None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -147,14 +175,20 @@ def main() -> None:
     parser.add_argument("--attention-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="dtype of the ragged_attention cases (bfloat16: on CPUs with "
                         "AVX512-BF16 the prefill rows run the bf16 pair kernels)")
+    parser.add_argument("--only", choices=["linear", "attention", "flash"],
+                        help="run one section (default: all)")
     args = parser.parse_args()
     if args.device.startswith("cuda"):
         import ops_cuda
         ops_cuda.main()
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    bench_linear(args.device)
-    bench_attention(args.device, args.seed, getattr(torch, args.attention_dtype))
+    if args.only in (None, "linear"):
+        bench_linear(args.device)
+    if args.only in (None, "attention"):
+        bench_attention(args.device, args.seed, getattr(torch, args.attention_dtype))
+    if args.only in (None, "flash"):
+        bench_flash(args.device)
 
 
 if __name__ == "__main__":

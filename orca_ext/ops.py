@@ -57,6 +57,11 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Request ``r`` owns query rows ``cu_q_lens[r]:cu_q_lens[r+1]``; its query ``i`` sits at
     position ``context_lens[r] - q_len + i`` and attends to KV positions ``0..pos`` found through
     ``block_table[r]``. Returns ``[T, Hq, D]`` in packed order.
+
+    On CPU, bfloat16 prefill-like rows run the best kernel path this build and CPU have
+    (``orca_ext._C.attention_isas()`` lists them: AMX tiles where the CPU has AMX-BF16 and the
+    OS grants tile data, else AVX512-BF16 pair dot products); the environment variable
+    ``ORCA_ATTENTION_ISA=portable|avx512bf16|amx`` forces one.
     """
     return torch.ops.orca.ragged_attention(q, k_cache, v_cache, cu_q_lens, context_lens,
                                            block_table, scale)

@@ -4,7 +4,7 @@ import torch
 
 import orca_ext  # noqa: F401
 import reference_ops as ref
-from orca_ext import ops
+from orca_ext import _C, ops
 from orca_ext.testing import random_ragged_batch
 
 TOL = {torch.float32: (2e-4, 2e-4), torch.bfloat16: (3e-2, 3e-2), torch.float16: (4e-3, 4e-3)}
@@ -189,6 +189,70 @@ def test_ragged_attention_noncontiguous_q(device):
     q_view = qkv[:, :4]
     out = ops.ragged_attention(q_view, *batch.args()[1:])
     torch.testing.assert_close(out, ops.ragged_attention(*batch.args()))
+
+
+# ------------------------------------------------ ragged_attention's CPU bfloat16 kernel paths
+
+ATTENTION_ISAS = ["portable", "avx512bf16", "amx"]
+# Prefill-like items (more than 8 query rows per KV head) of bfloat16 take the path
+# ORCA_ATTENTION_ISA names: float lanes, bf16 pair dot products, or AMX tiles. Query lengths 1 to
+# 600 (not multiples of 16: short AMX key and row tiles, tiles across the causal diagonal)
+# mixed with decodes; chunks over a cached prefix (context > q_len: query positions start at
+# context - q_len, tiles wholly before the diagonal); long contexts split into partials; long
+# prefills (the AMX path's 128-row items).
+ISA_MIXES = {
+    "prefill": ([600], [600]),
+    "short": ([2, 3, 9, 16, 31, 47], [2, 40, 9, 100, 31, 47]),
+    "chunked": ([77, 1, 130, 1], [300, 45, 130, 1000]),
+    "mixed": ([1, 33, 1, 250, 17, 1], [90, 33, 7, 517, 200, 64]),
+    "split": ([1, 400], [3000, 2100]),
+    # From 1024 queries the AMX path's items take up to 128 rows (wider row tiles).
+    "long": ([1100, 1, 5], [1300, 50, 5]),
+}
+
+
+@pytest.fixture(params=ATTENTION_ISAS)
+def attention_isa(request, monkeypatch) -> str:
+    if request.param not in _C.attention_isas():
+        pytest.skip(f"this build or CPU does not run the {request.param} attention path")
+    monkeypatch.setenv("ORCA_ATTENTION_ISA", request.param)
+    return request.param
+
+
+def check_attention_bf16(q_lens, ctx, heads, head_dim, block_size):
+    batch = random_ragged_batch(q_lens, ctx, *heads, head_dim, block_size, dtype=torch.bfloat16)
+    out = ops.ragged_attention(*batch.args())
+    assert_close(out, ref.ragged_attention(*batch.args()), torch.bfloat16)
+
+
+@pytest.mark.parametrize("mix", list(ISA_MIXES))
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+# GQA as SmolLM2's 9 query heads on 3 KV heads, and a whole 8-head group on one.
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
+def test_ragged_attention_isa_grid(attention_isa, mix, block_size, heads):
+    check_attention_bf16(*ISA_MIXES[mix], heads, 64, block_size)
+
+
+# 32, 64, 96, 128: AMX tiles (K steps of 32 dims); 80: the bf16 pair kernels under amx.
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 128])
+@pytest.mark.parametrize("mix", ["chunked", "mixed"])
+def test_ragged_attention_isa_head_dims(attention_isa, head_dim, mix):
+    check_attention_bf16(*ISA_MIXES[mix], (9, 3), head_dim, 16)
+
+
+def test_ragged_attention_isa_errors(monkeypatch):
+    batch = random_ragged_batch([20], [20], 4, 4, 64, 16, dtype=torch.bfloat16)
+    monkeypatch.setenv("ORCA_ATTENTION_ISA", "sse9")
+    with pytest.raises(RuntimeError, match="ORCA_ATTENTION_ISA must be one of 'portable', "
+                                           "'avx512bf16', 'amx', got 'sse9'"):
+        ops.ragged_attention(*batch.args())
+    assert _C.attention_isas()[0] == "portable"
+    for name in ATTENTION_ISAS:
+        if name in _C.attention_isas():
+            continue
+        monkeypatch.setenv("ORCA_ATTENTION_ISA", name)
+        with pytest.raises(RuntimeError, match=f"ORCA_ATTENTION_ISA={name} but this build"):
+            ops.ragged_attention(*batch.args())
 
 
 # ---------------------------------------------------------------------------- opcheck

@@ -7,10 +7,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "bf16_dot.h"
 #include "ceil_div.h"
 #include "checks.h"
 #include "orca/cpu/attention.h"
@@ -20,6 +23,9 @@ namespace orca {
 using cpu::AttentionWork;
 
 constexpr int64_t kMaxRowsPerItem = 64;  // query rows (queries x group heads) per item
+// With wide items (the AMX kernels), requests of at least this many queries take items of up to
+// cpu::kMaxAmxRows rows; shorter ones keep 64 (wide items were slower there).
+constexpr int64_t kMinWideQueries = 1024;
 // Never split KV ranges below this many positions. Low enough that a decode step over short
 // contexts (batch 1-3, ~128 positions) still gives every thread a share of the KV to read,
 // which beats whole requests per thread there because the merge is cheap.
@@ -79,13 +85,17 @@ inline double longest_thread(const std::vector<Group>& groups, const std::vector
   return *std::max_element(load.begin(), load.end());
 }
 
-inline Plan make_plan(const AttentionShape& s, const int32_t* cu, const int32_t* ctx) {
+// wide_items: long requests' prefill items take up to cpu::kMaxAmxRows rows (the AMX kernels).
+inline Plan make_plan(const AttentionShape& s, const int32_t* cu, const int32_t* ctx,
+                      bool wide_items = false) {
   const int64_t G = s.num_q_heads / s.num_kv_heads;
-  const int64_t q_block = std::max<int64_t>(1, kMaxRowsPerItem / G);
   std::vector<Group> groups;
   double total = 0;
   for (int64_t r = 0; r < s.batch; ++r) {
     const int64_t q_len = cu[r + 1] - cu[r], first_pos = ctx[r] - q_len;
+    const int64_t item_rows =
+        wide_items && q_len >= kMinWideQueries ? cpu::kMaxAmxRows : kMaxRowsPerItem;
+    const int64_t q_block = std::max<int64_t>(1, item_rows / G);
     for (int64_t qb = 0; qb < q_len; qb += q_block) {
       const int64_t qe = std::min(q_len, qb + q_block);
       const int64_t kv_end = first_pos + qe;
@@ -147,6 +157,41 @@ inline Plan make_plan(const AttentionShape& s, const int32_t* cu, const int32_t*
   plan.items.reserve(items.size());
   for (const auto& it : items) plan.items.push_back(it.second);
   return plan;
+}
+
+// The prefill-like items' kernels for bfloat16: ORCA_ATTENTION_ISA (read at each call, so tests
+// can switch it) where set, else the best this build and CPU run (amx, avx512bf16, portable).
+inline cpu::AttentionIsa chosen_attention_isa() {
+  using cpu::AttentionIsa;
+  const char* forced = std::getenv("ORCA_ATTENTION_ISA");
+  if (forced == nullptr || *forced == '\0') {
+    for (const AttentionIsa isa : {AttentionIsa::kAmx, AttentionIsa::kAvx512Bf16}) {
+      if (cpu::attention_isa_supported(isa)) return isa;
+    }
+    return AttentionIsa::kPortable;
+  }
+  for (const auto& [name, isa] : cpu::kAttentionIsaNames) {
+    if (std::string(forced) != name) continue;
+    TORCH_CHECK(cpu::attention_isa_supported(isa), "ORCA_ATTENTION_ISA=", forced,
+                " but this build or CPU does not support that path");
+    return isa;
+  }
+  TORCH_CHECK(false, "ORCA_ATTENTION_ISA must be one of 'portable', 'avx512bf16', 'amx', got '",
+              forced, "'");
+}
+
+// f.template operator()<kIsa>() for the path isa takes with scalar_t: the portable kernels for
+// every dtype but bfloat16 (and for bfloat16 where the build has no pair kernels).
+template <typename scalar_t, typename F>
+void dispatch_attention_isa(cpu::AttentionIsa isa, const F& f) {
+  using cpu::AttentionIsa;
+  if constexpr (kBf16Dot<scalar_t>) {
+#if defined(ORCA_ATTENTION_AMX)
+    if (isa == AttentionIsa::kAmx) return f.template operator()<AttentionIsa::kAmx>();
+#endif
+    if (isa != AttentionIsa::kPortable) return f.template operator()<AttentionIsa::kAvx512Bf16>();
+  }
+  return f.template operator()<AttentionIsa::kPortable>();
 }
 
 // f.template operator()<kD>() with the head dim as a compile-time constant where a vector

@@ -29,6 +29,7 @@ struct StackShape {
   NormKind norm;
   Activation act;
   cpu::quant::Isa isa;  // the quantized linears' kernels (chosen_quant_isa, once per call)
+  cpu::AttentionIsa attention_isa;  // the attention's (chosen_attention_isa, once per call)
 };
 
 // q and k heads of qkv rows [T, stride] rotated in place (neox rotate-half), by cos / sin
@@ -172,7 +173,8 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
   const int32_t* ctx = context_lens.data_ptr<int32_t>();
   const AttentionShape as{T, s.num_heads, s.num_kv_heads, D, k_caches[0].size(0),
                           k_caches[0].size(1), context_lens.size(0), block_table.size(1)};
-  const Plan plan = make_plan(as, cu, ctx);
+  const Plan plan = make_plan(as, cu, ctx, std::is_same_v<scalar_t, c10::BFloat16> &&
+                                                cpu::amx_head_dim(s.attention_isa, D));
   const auto items = static_cast<int64_t>(plan.items.size());
   const auto merges = static_cast<int64_t>(plan.merges.size());
   const auto opts = x.options();
@@ -246,10 +248,12 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
           v_caches[l].data_ptr<scalar_t>(),
           attn_p, cu, ctx, block_table.data_ptr<int32_t>(), as.max_blocks, as.block_size,
           s.num_heads, s.num_kv_heads, D, static_cast<float>(w.scale)};
-      dispatch_head_dim(D, [&]<int kD>() {
-        for (int64_t i = next[2 * l]++; i < items; i = next[2 * l]++) {
-          cpu::attend<kD, kBf16Dot<scalar_t>>(args, plan.items[i], scratch, part);
-        }
+      dispatch_attention_isa<scalar_t>(s.attention_isa, [&]<cpu::AttentionIsa kIsa>() {
+        dispatch_head_dim(D, [&]<int kD>() {
+          for (int64_t i = next[2 * l]++; i < items; i = next[2 * l]++) {
+            cpu::attend<kD, kIsa>(args, plan.items[i], scratch, part);
+          }
+        });
       });
       if (merges > 0) {
 #pragma omp barrier
@@ -502,7 +506,7 @@ at::Tensor DecoderStack::run(const at::Tensor& x_in, const std::vector<at::Tenso
               T, " (run the model's own forward for more)");
   const StackShape s{T, hidden_, num_heads_, num_kv_heads_, head_dim_,
                      (num_heads_ + 2 * num_kv_heads_) * head_dim_, inter_, norm_, act_,
-                     chosen_quant_isa()};
+                     chosen_quant_isa(), chosen_attention_isa()};
   TORCH_CHECK(rotary_cos.has_value() == rotary_sin.has_value(),
               "rotary_cos and rotary_sin must be given together");
   if (rotary_cos) {

@@ -5,9 +5,10 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <string>
+#include <vector>
 
 #include "attention_plan.h"
-#include "bf16_dot.h"
 
 namespace orca {
 namespace {
@@ -24,12 +25,12 @@ void run_dynamic(int64_t n, bool parallel, const F& fn) {
   });
 }
 
-template <typename scalar_t, int kD>
+template <typename scalar_t, int kD, cpu::AttentionIsa kIsa>
 void run_attention(const cpu::AttentionArgs<scalar_t>& args, const Plan& plan,
                    const cpu::Partials& part) {
   run_dynamic(static_cast<int64_t>(plan.items.size()), plan.parallel, [&](int64_t i) {
     thread_local cpu::AttentionScratch scratch;
-    cpu::attend<kD, kBf16Dot<scalar_t>>(args, plan.items[i], scratch, part);
+    cpu::attend<kD, kIsa>(args, plan.items[i], scratch, part);
   });
   // A few merges (decodes) run on this thread: cheaper than a second fork-join.
   const bool parallel_merges = plan.parallel && plan.merge_cost > kMinParallelMergeRows;
@@ -53,7 +54,9 @@ at::Tensor ragged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cach
   at::Tensor out = at::empty({s.num_tokens, s.num_q_heads, s.head_dim}, q.options());
   if (s.num_tokens == 0) return out;
 
-  const Plan plan = make_plan(s, cu, ctx);
+  const cpu::AttentionIsa isa = chosen_attention_isa();
+  const bool wide = q.scalar_type() == at::kBFloat16 && cpu::amx_head_dim(isa, s.head_dim);
+  const Plan plan = make_plan(s, cu, ctx, wide);
   at::Tensor part_o = at::empty({plan.partial_rows, s.head_dim}, q.options().dtype(at::kFloat));
   at::Tensor part_ml = at::empty({2, plan.partial_rows}, q.options().dtype(at::kFloat));
   const cpu::Partials part{part_o.data_ptr<float>(), part_ml.data_ptr<float>(),
@@ -64,13 +67,23 @@ at::Tensor ragged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cach
         k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
         cu, ctx, block_table.data_ptr<int32_t>(), s.max_blocks, s.block_size,
         s.num_q_heads, s.num_kv_heads, s.head_dim, static_cast<float>(scale)};
-    dispatch_head_dim(s.head_dim,
-                      [&]<int kD>() { run_attention<scalar_t, kD>(args, plan, part); });
+    dispatch_attention_isa<scalar_t>(isa, [&]<cpu::AttentionIsa kIsa>() {
+      dispatch_head_dim(s.head_dim,
+                        [&]<int kD>() { run_attention<scalar_t, kD, kIsa>(args, plan, part); });
+    });
   });
   return out;
 }
 
 }  // namespace
+
+std::vector<std::string> attention_isa_names() {
+  std::vector<std::string> names;
+  for (const auto& [name, isa] : cpu::kAttentionIsaNames) {
+    if (cpu::attention_isa_supported(isa)) names.emplace_back(name);
+  }
+  return names;
+}
 
 TORCH_LIBRARY_IMPL(orca, CPU, m) { m.impl("ragged_attention", &ragged_attention_cpu); }
 
