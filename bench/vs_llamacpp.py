@@ -273,7 +273,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sections", nargs="+", choices=("one_stream", "offline"),
                         default=["one_stream", "offline"])
-    parser.add_argument("--ours", nargs="+", choices=tuple(OURS), default=list(OURS))
+    parser.add_argument("--ours", nargs="*", choices=tuple(OURS), default=list(OURS))
     parser.add_argument("--llamacpp-files", nargs="+", choices=("stored", *LLAMACPP_FTYPES),
                         default=["stored", *LLAMACPP_FTYPES])
     parser.add_argument("--work-dir", default="bench/results/llamacpp",

@@ -159,8 +159,9 @@ PYBIND11_MODULE(_C, m) {
         }
         return names;
       }, "The paths of quantized_linear's kernels this CPU runs, by their ORCA_QUANT_ISA names");
-  m.def("attention_isas", &orca::attention_isa_names, "The paths of ragged_attention's prefill-like bfloat16 kernels this build and CPU run, "
-         "by their ORCA_ATTENTION_ISA names");
+  m.def("attention_isas", &orca::attention_isa_names,
+        "The paths of ragged_attention's prefill-like bfloat16 kernels this build and CPU run, "
+        "by their ORCA_ATTENTION_ISA names");
   m.def("argmax_rows", &argmax_rows, py::arg("logits"),
         "Each row's argmax of float32 CPU logits [rows, vocab] (as torch.argmax), as a list");
 }

@@ -226,7 +226,9 @@ inline void tile_pv(const float* p, int64_t W, const float* const* v_rows, int64
   for (int64_t r0 = 0; r0 < W; r0 += kRB) {
     vec16 o[kRB][kNV];
     for (int rb = 0; rb < kRB; ++rb) {
-      for (int c = 0; c < kNV; ++c) o[rb][c] = load16(acc + (r0 + rb) * kD + 16 * c) * alpha[r0 + rb];
+      for (int c = 0; c < kNV; ++c) {
+        o[rb][c] = load16(acc + (r0 + rb) * kD + 16 * c) * alpha[r0 + rb];
+      }
     }
     for (int64_t j = 0; j < nt; ++j) {
       vec16 v[kNV];
@@ -421,7 +423,8 @@ template <int kD>
 inline void pack_v_pairs(const uint16_t* const* v_rows, int64_t num_pairs, uint32_t* v_pairs) {
   for (int64_t i = 0; i < num_pairs; ++i) {
     for (int c = 0; c < kD / 16; ++c) {
-      const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows[2 * i] + 16 * c));
+      const __m256i even =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows[2 * i] + 16 * c));
       const __m256i odd =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows[2 * i + 1] + 16 * c));
       _mm512_storeu_si512(v_pairs + i * kD + 16 * c, interleave_bf16(even, odd));
