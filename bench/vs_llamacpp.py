@@ -351,20 +351,21 @@ def main() -> int:
         requests = serving.make_requests(spec, args.num_requests, float("inf"), args.seed)
         output_tokens = sum(r.output_len for r in requests)
         runs: dict[str, tuple[float, list[list[int]]]] = {}
+
+        def record_run(name: str, result: tuple[float, list[list[int]]]) -> None:
+            runs[name] = result
+            print(f"  {name}: {result[0]:.1f} s", flush=True)
+
         for kind, file in files.items():
             engine = LlamaCpp(file, args.threads, args.extra_bufts)
             for b in args.llamacpp_batch_sizes:
-                runs[f"llama.cpp, {kind} file, B = {b}"] = engine.offline(
-                    requests, b, args.llamacpp_n_batch, args.llamacpp_n_ubatch)
-                print(f"  {next(reversed(runs))}: {runs[next(reversed(runs))][0]:.1f} s",
-                      flush=True)
+                record_run(f"llama.cpp, {kind} file, B = {b}", engine.offline(
+                    requests, b, args.llamacpp_n_batch, args.llamacpp_n_ubatch))
             engine.close()
         for key in args.ours:
             name, load = OURS[key]
             for b in args.ours_batch_sizes:
-                runs[f"{name}, B = {b}"] = ours_offline(path, requests, b, **load)
-                print(f"  {next(reversed(runs))}: {runs[next(reversed(runs))][0]:.1f} s",
-                      flush=True)
+                record_run(f"{name}, B = {b}", ours_offline(path, requests, b, **load))
         reference = next((out for n, (_, out) in runs.items()
                           if n.startswith("llama.cpp, stored file")), None)
         print(f"\noffline: {len(requests)} requests, prompts ~U{tuple(args.prompt_len)}, outputs "

@@ -279,6 +279,14 @@ events = st.lists(st.tuples(st.integers(0, 2),  # arrivals this step
                   min_size=1, max_size=40)
 
 
+def abort_one_then_step(h: Harness, abort: bool, data) -> None:
+    """Abort a live request drawn from ``data`` (when ``abort``), then run one step."""
+    live = sorted(h.scheduler.requests)
+    if abort and live:
+        h.scheduler.abort(data.draw(st.sampled_from(live)))
+    h.step()
+
+
 @pytest.mark.parametrize("policy", ["orca", "paged", "request"])
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -294,10 +302,7 @@ def test_random_streams(allocator_cls, policy, stream, block_size, extra, max_ba
     for arrivals, prompt_len, max_tokens, abort in stream:
         for _ in range(arrivals):
             h.add(prompt_len, max_tokens)
-        live = sorted(h.scheduler.requests)
-        if abort == 0 and live:
-            h.scheduler.abort(data.draw(st.sampled_from(live)))
-        h.step()
+        abort_one_then_step(h, abort == 0, data)
     h.run()
     h.check_outputs()
     assert h.allocator.num_free_blocks == num_blocks
@@ -454,9 +459,6 @@ def test_random_streams_prefix_caching(policy, stream, block_size, extra, max_ba
                 earlier = data.draw(st.sampled_from(done))
                 prompt = (earlier.all_token_ids + prompt)[:64]
             h.add(0, max_tokens, prompt or [1])
-        live = sorted(h.scheduler.requests)
-        if abort == 0 and live:
-            h.scheduler.abort(data.draw(st.sampled_from(live)))
-        h.step()
+        abort_one_then_step(h, abort == 0, data)
     h.run()
     h.check_outputs()
