@@ -16,8 +16,9 @@ from orca_ext import _C, ops
 from orca_ext.quantize import dequantize_weight, quantize_weight
 
 FORMATS = ["q8_0", "q4_0", "q4_1"]
-ISAS = ["portable", "avx2", "avx512", "avx512_vnni"]
+ISAS = ["portable", "avx2", "avx512", "avx512_vnni", "amx_int8"]
 INT8_MAX_T = 2  # up to this many tokens avx512_vnni rounds the activations to int8 blocks
+AMX_MAX_T_BF16 = 160  # amx_int8 rounds any number of float32 tokens, this many bfloat16 ones
 DTYPES = [torch.float32, torch.bfloat16]
 # float32: the kernels sum K <= 576 float32 products in another order than the float64
 # reference, an error of order sqrt(K) * 2**-24 of the sum of |terms| (~1e-6 here), and the
@@ -30,7 +31,9 @@ DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 # Up to 24 tokens (float32; bfloat16: 16) the dot kernels, 8 tokens at a time (9, 16, 17 and 24
 # take two and three passes); more, the dequantized panels and a GEMM (600: several panels).
-TOKENS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 25, 64, 600]
+# amx_int8: groups of 4 to 16 tokens (5: one of 8, 17: two of 12, 64: four of 16), a padded
+# last group (25, 600), up to 160 bfloat16 tokens.
+TOKENS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 25, 64, 160, 600]
 # K: one block, and 3, 9, 18 blocks (none a multiple of 256); N odd: partial row groups and a
 # partial last block of output columns.
 SHAPES = [(32, 7), (96, 33), (288, 129), (576, 33)]
@@ -54,7 +57,7 @@ def quantized(fmt: str, K: int, N: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_rounded(rows: torch.Tensor) -> torch.Tensor:
-    """float64 ``rows [T, K]`` as the avx512_vnni path rounds them (llama.cpp's q8_0 activations):
+    """float64 ``rows [T, K]`` as the int8 paths round them (llama.cpp's q8_0 activations):
     each block of 32 to int8 multiples of ``dx = max |x| / 127``, in float32, nearest even."""
     x = rows.float().reshape(rows.shape[0], -1, 32)
     dx = x.abs().amax(-1, keepdim=True) / 127
@@ -62,9 +65,17 @@ def int8_rounded(rows: torch.Tensor) -> torch.Tensor:
     return (torch.round(x * inverse).double() * dx.double()).reshape(rows.shape)
 
 
-def kernel_rows(rows: torch.Tensor, isa: str) -> torch.Tensor:
-    """The activations the kernels multiply: int8-rounded where avx512_vnni does so."""
-    return int8_rounded(rows) if isa == "avx512_vnni" and rows.shape[0] <= INT8_MAX_T else rows
+def rounds_to_int8(isa: str, T: int, dtype: torch.dtype) -> bool:
+    """Whether the path rounds T tokens of x to int8 blocks: avx512_vnni up to INT8_MAX_T,
+    amx_int8 also its tile kernels' tokens."""
+    if isa == "amx_int8":
+        return dtype == torch.float32 or T <= AMX_MAX_T_BF16
+    return isa == "avx512_vnni" and T <= INT8_MAX_T
+
+
+def kernel_rows(rows: torch.Tensor, isa: str, dtype: torch.dtype) -> torch.Tensor:
+    """The activations the kernels multiply: int8-rounded where the path does so."""
+    return int8_rounded(rows) if rounds_to_int8(isa, rows.shape[0], dtype) else rows
 
 
 def normed_rows(x: torch.Tensor, norm: str, gamma, beta, eps: float) -> torch.Tensor:
@@ -86,18 +97,19 @@ def assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) 
 def test_quantized_linear(isa, fmt, dtype, T, K, N):
     q, w = quantized(fmt, K, N)
     x = torch.randn(T, K, generator=torch.Generator().manual_seed(T)).to(dtype)
-    expected = kernel_rows(x.double(), isa) @ w.double().t()
+    expected = kernel_rows(x.double(), isa, dtype) @ w.double().t()
     assert_close(ops.quantized_linear(x, q, fmt, K), expected, dtype)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("T", [1, 2])
-def test_int8_activation_error(fmt, T, monkeypatch):
-    """avx512_vnni's one error beyond float32 accumulation: each activation rounded by at most
+@pytest.mark.parametrize("isa,T", [("avx512_vnni", 1), ("avx512_vnni", 2), ("amx_int8", 3),
+                                   ("amx_int8", 16), ("amx_int8", 40), ("amx_int8", 300)])
+def test_int8_activation_error(fmt, isa, T, monkeypatch):
+    """The int8 paths' one error beyond float32 accumulation: each activation rounded by at most
     half its block's step dx, so an output moves by at most sum_k |w_k| dx_k / 2."""
-    if "avx512_vnni" not in _C.quant_isas():
-        pytest.skip("this CPU does not run the avx512_vnni path")
-    monkeypatch.setenv("ORCA_QUANT_ISA", "avx512_vnni")
+    if isa not in _C.quant_isas():
+        pytest.skip(f"this CPU does not run the {isa} path")
+    monkeypatch.setenv("ORCA_QUANT_ISA", isa)
     K, N = 576, 129
     q, w = quantized(fmt, K, N)
     x = torch.randn(T, K, generator=torch.Generator().manual_seed(5))
@@ -134,9 +146,9 @@ def test_quantized_linear_epilogue(isa, fmt, dtype, T, activation, with_bias, wi
     kind = "layer_norm" if norm.startswith("layer_norm") else norm
     norm_args = () if norm == "none" else (kind, gamma, beta, 1e-5)
     out = ops.quantized_linear(x, q, fmt, K, b, activation, r, *norm_args)
-    if isa == "avx512_vnni" and T <= INT8_MAX_T:  # the op's own normalized rows, int8-rounded
+    if rounds_to_int8(isa, T, dtype):  # the op's own normalized rows, int8-rounded
         rows = kernel_rows(x.double() if norm == "none" else normed_rows(x, *norm_args).double(),
-                           isa)
+                           isa, dtype)
     else:
         rows = (x if norm == "none" else ref.rms_norm(x, gamma, 1e-5) if kind == "rms_norm"
                 else ref.layer_norm(x, gamma, beta, 1e-5))
@@ -190,7 +202,8 @@ def test_noncontiguous_inputs():
     wide[:, :q.shape[1]] = q
     out = ops.quantized_linear(x, wide[:, :q.shape[1]], "q8_0", 96)
     torch.testing.assert_close(out, ops.quantized_linear(x.contiguous(), q, "q8_0", 96))
-    assert_close(out, x.double() @ w.double().t(), torch.float32)
+    rows = kernel_rows(x.double(), _C.quant_isas()[-1], torch.float32)  # the default path's
+    assert_close(out, rows @ w.double().t(), torch.float32)
 
 
 def test_empty():
@@ -213,12 +226,13 @@ def test_inference_mode():
             with torch.inference_mode():
                 out = ops.quantized_linear(x, q, "q4_0", 96, None, "gelu_tanh")
             assert out.is_inference()
-            assert_close(out, ref.packed_linear(x, w, None, "gelu_tanh"), dtype)
+            rows = kernel_rows(x.double(), _C.quant_isas()[-1], dtype)  # the default path's
+            assert_close(out, ref.packed_linear(rows, w, None, "gelu_tanh"), dtype)
 
 
 def test_opcheck():
     q, _ = quantized("q4_0", 96, 66)
-    for T in (1, 3, 30):  # the dot kernels (int8 on avx512_vnni, float) and the panels
+    for T in (1, 3, 30):  # the dot kernels (int8 on avx512_vnni), amx_int8's tiles, the panels
         for dtype in DTYPES:
             x, b = torch.randn(T, 96).to(dtype), torch.randn(66).to(dtype)
             r, gamma = torch.randn(T, 33).to(dtype), torch.randn(96).to(dtype)
@@ -272,7 +286,7 @@ def test_forced_isa_errors(monkeypatch):
     q, _ = quantized("q8_0", 32, 7)
     monkeypatch.setenv("ORCA_QUANT_ISA", "sse9")
     with pytest.raises(RuntimeError, match="ORCA_QUANT_ISA must be one of 'portable', 'avx2', "
-                                           "'avx512', 'avx512_vnni', got 'sse9'"):
+                                           "'avx512', 'avx512_vnni', 'amx_int8', got 'sse9'"):
         ops.quantized_linear(torch.randn(2, 32), q, "q8_0", 32)
     missing = [name for name in ISAS if name not in _C.quant_isas()]
     for name in missing:

@@ -130,12 +130,12 @@ void linear_share(const StackShape& s, Activation act, const LinearStep<scalar_t
   if (step.format) {
     // As quantized_linear: the rows as float32, rounded to int8 blocks for the int8 kernels.
     for (int64_t i = 0; i < T * K; ++i) floats[i] = static_cast<float>(step.rows[i]);
-    const bool use_int8 = uses_int8_activations(s.isa, T);
-    if (use_int8) cpu::quant::quantize_activations(*step.format, floats, T, K, int8);
+    const Int8Path path = int8_path(s.isa, T);
+    quantize_for(path, *step.format, floats, T, K, int8);
     float y[2][kSkinnyMaxT * kSkinnyBlock];
     dispatch_activation(act, [&]<Activation a>() {
-      quant_dot_blocks<scalar_t, a>(s.isa, *step.format, floats, use_int8 ? int8 : nullptr, T,
-                                    K, step.weight.template data_ptr<uint8_t>(), b, step.residual,
+      quant_dot_blocks<scalar_t, a>(s.isa, *step.format, floats, path, int8, T, K,
+                                    step.weight.template data_ptr<uint8_t>(), b, step.residual,
                                     step.out, N, begin, end, y[0], y[1]);
     });
     return;
@@ -186,7 +186,8 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
              mid = at::empty({T, s.inter}, opts);
   at::Tensor normed = at::empty({nth, T * H}, opts);
   at::Tensor floats = at::empty({nth, T * widest}, opts.dtype(at::kFloat));
-  const int64_t int8_bytes = cpu::quant::int8_activation_bytes(T, widest);
+  const int64_t int8_bytes = std::max(cpu::quant::int8_activation_bytes(T, widest),
+                                      cpu::quant::amx_activation_bytes(T, widest));
   at::Tensor int8 = at::empty({nth, int8_bytes}, opts.dtype(at::kByte));
   at::Tensor part_o = at::empty({plan.partial_rows, D}, opts.dtype(at::kFloat));
   at::Tensor part_ml = at::empty({2, plan.partial_rows}, opts.dtype(at::kFloat));

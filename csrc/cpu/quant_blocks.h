@@ -18,6 +18,11 @@ namespace orca {
 // costs more than the integer dot products save (bench/quantized_linear.py).
 constexpr int64_t kInt8MaxT = 2;
 
+// How a call's activations reach the dot kernels: as float32, rounded to int8 blocks for the
+// VNNI kernels (kAvx512Vnni and kAmxInt8, up to kInt8MaxT tokens), or rounded to int8 blocks in
+// the tiles' layout for kAmxInt8's tile kernels (more tokens).
+enum class Int8Path { kNone, kVnni, kAmx };
+
 // 'q8_0', 'q4_0' or 'q4_1'; a RuntimeError naming `what` otherwise.
 cpu::quant::Format parse_quant_format(c10::string_view name, const char* what = "format");
 
@@ -42,19 +47,37 @@ QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& q
                                         const std::optional<at::Tensor>& norm_bias,
                                         double norm_eps);
 
-// Whether T tokens run kAvx512Vnni's int8 kernels (x rounded to int8 blocks first).
-inline bool uses_int8_activations(cpu::quant::Isa isa, int64_t T) {
-  return isa == cpu::quant::Isa::kAvx512Vnni && T <= kInt8MaxT;
+// The path of T tokens on the ISA, where the call allows int8 activations.
+inline Int8Path int8_path(cpu::quant::Isa isa, int64_t T) {
+  using cpu::quant::Isa;
+  if ((isa == Isa::kAvx512Vnni || isa == Isa::kAmxInt8) && T <= kInt8MaxT) return Int8Path::kVnni;
+  return isa == Isa::kAmxInt8 ? Int8Path::kAmx : Int8Path::kNone;
+}
+
+// The bytes of x_int8 for T tokens of K values on the path.
+inline int64_t int8_bytes(Int8Path path, int64_t T, int64_t K) {
+  return path == Int8Path::kVnni  ? cpu::quant::int8_activation_bytes(T, K)
+         : path == Int8Path::kAmx ? cpu::quant::amx_activation_bytes(T, K)
+                                  : 0;
+}
+
+// x (float32 [T, K]) rounded into x_int8 for the path (nothing for kNone).
+inline void quantize_for(Int8Path path, cpu::quant::Format fmt, const float* x, int64_t T,
+                         int64_t K, uint8_t* x_int8) {
+  if (path == Int8Path::kVnni) cpu::quant::quantize_activations(fmt, x, T, K, x_int8);
+  if (path == Int8Path::kAmx) {
+    cpu::quant::quantize_activations_amx(fmt, x, T, K, cpu::quant::amx_group_tokens(T), x_int8);
+  }
 }
 
 // Blocks [begin, end) of kSkinnyBlock output columns of out [T, N] = act(x @ W^T + bias) +
 // residual, W the GGUF blocks w ([N, K], or [2N, K] gate rows then up rows for silu_and_mul):
-// each block's dot products on x (float32 [T, K]) or on x_int8 (its int8 blocks, where
-// uses_int8_activations), up to kMaxDotTokens tokens at a time, then its epilogue. residual may
-// be out; y_gate and y_up are scratch of T * kSkinnyBlock floats (y_up for silu_and_mul only).
+// each block's dot products on x (float32 [T, K], up to kMaxDotTokens tokens at a time) or on
+// x_int8 (quantize_for's rounding of x for `path`), then its epilogue. residual may be out;
+// y_gate and y_up are scratch of T * kSkinnyBlock floats (y_up for silu_and_mul only).
 template <typename scalar_t, Activation act>
 void quant_dot_blocks(cpu::quant::Isa isa, cpu::quant::Format fmt, const float* x,
-                      const uint8_t* x_int8, int64_t T, int64_t K, const uint8_t* w,
+                      Int8Path path, const uint8_t* x_int8, int64_t T, int64_t K, const uint8_t* w,
                       const scalar_t* bias, const scalar_t* residual, scalar_t* out, int64_t N,
                       int64_t begin, int64_t end, float* y_gate, float* y_up) {
   constexpr int64_t B = kSkinnyBlock, kChunk = cpu::quant::kMaxDotTokens;
@@ -65,9 +88,13 @@ void quant_dot_blocks(cpu::quant::Isa isa, cpu::quant::Format fmt, const float* 
     const int64_t n0 = blk * B, cols = std::min(B, N - n0);
     for (int64_t part = 0; part < (half ? 2 : 1); ++part) {
       const uint8_t* rows = w + (part * half + n0) * row_bytes;
+      if (path == Int8Path::kAmx) {
+        cpu::quant::dot_rows_amx(fmt, x_int8, T, K, rows, cols, y[part], B);
+        continue;
+      }
       for (int64_t t0 = 0; t0 < T; t0 += kChunk) {
         const int64_t tokens = std::min(kChunk, T - t0);
-        if (x_int8) {
+        if (path == Int8Path::kVnni) {
           cpu::quant::dot_rows_int8(fmt, x_int8 + cpu::quant::int8_activation_bytes(t0, K),
                                     tokens, K, rows, cols, y[part] + t0 * B, B);
         } else {

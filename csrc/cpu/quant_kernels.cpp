@@ -15,9 +15,15 @@
 
 #include "orca/cpu/dispatch_tokens.h"
 #include "orca/cpu/quant_avx2.h"
+#include "orca/cpu/quant_amx.h"
 #include "orca/cpu/quant_avx512.h"
 #include "orca/cpu/quant_portable.h"
 #include "orca/cpu/quant_vnni.h"
+
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace orca::cpu::quant {
 namespace {
@@ -37,6 +43,22 @@ void dispatch_format(Format format, const Fn& f) {
 bool isa_supported(Isa isa) {
   __builtin_cpu_init();  // idempotent: the feature bits are valid even before libgcc set them
   switch (isa) {
+    case Isa::kAmxInt8: {
+      if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8") ||
+          !isa_supported(Isa::kAvx512Vnni)) {
+        return false;
+      }
+#if defined(__linux__)
+      // Linux hands out tile data on request (arch_prctl ARCH_REQ_XCOMP_PERM), per process.
+      static const bool granted = [] {
+        constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+        return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+      }();
+      return granted;
+#else
+      return false;
+#endif
+    }
     case Isa::kAvx512Vnni:
       return __builtin_cpu_supports("avx512vnni") && isa_supported(Isa::kAvx512);
     case Isa::kAvx512:
@@ -52,7 +74,8 @@ bool isa_supported(Isa isa) {
 }
 
 Isa best_isa() {
-  static const Isa best = isa_supported(Isa::kAvx512Vnni) ? Isa::kAvx512Vnni
+  static const Isa best = isa_supported(Isa::kAmxInt8)      ? Isa::kAmxInt8
+                          : isa_supported(Isa::kAvx512Vnni) ? Isa::kAvx512Vnni
                           : isa_supported(Isa::kAvx512)   ? Isa::kAvx512
                           : isa_supported(Isa::kAvx2) ? Isa::kAvx2
                                                       : Isa::kPortable;
@@ -65,7 +88,8 @@ void dot_rows(Isa isa, Format format, const float* x, int64_t T, int64_t K, cons
     dispatch_tokens(T, [&]<int kT>() {
       switch (isa) {
         case Isa::kAvx512:
-        case Isa::kAvx512Vnni: return avx512::dot_rows<F, kT>(x, K, w, rows, y, y_stride);
+        case Isa::kAvx512Vnni:
+        case Isa::kAmxInt8: return avx512::dot_rows<F, kT>(x, K, w, rows, y, y_stride);
         case Isa::kAvx2: return avx2::dot_rows<F, kT>(x, K, w, rows, y, y_stride);
         default: return portable::dot_rows<F, kT>(x, K, w, rows, y, y_stride);
       }
@@ -89,6 +113,23 @@ void dot_rows_int8(Format format, const void* x_int8, int64_t T, int64_t K, cons
   });
 }
 
+int64_t amx_group_tokens(int64_t T) { return amx::group_tokens(T); }
+
+int64_t amx_activation_bytes(int64_t T, int64_t K) {
+  return amx::token_groups(T) * amx::group_bytes(amx::group_tokens(T), K);
+}
+
+void quantize_activations_amx(Format format, const float* x, int64_t T, int64_t K, int64_t G,
+                              void* x_amx) {
+  amx::quantize_activations(format, x, T, K, G, static_cast<uint8_t*>(x_amx));
+}
+
+void dot_rows_amx(Format format, const void* x_amx, int64_t T, int64_t K, const uint8_t* w,
+                  int64_t rows, float* y, int64_t y_stride) {
+  const auto* x = static_cast<const uint8_t*>(x_amx);
+  dispatch_format(format, [&]<Format F>() { amx::dot_rows<F>(x, T, K, w, rows, y, y_stride); });
+}
+
 namespace {
 
 template <typename out_t>
@@ -97,7 +138,8 @@ void dequantize_any(Isa isa, Format format, const uint8_t* w, int64_t K, int64_t
   dispatch_format(format, [&]<Format F>() {
     switch (isa) {
       case Isa::kAvx512:
-      case Isa::kAvx512Vnni: return avx512::dequantize_rows<F>(w, K, rows, out);
+      case Isa::kAvx512Vnni:
+      case Isa::kAmxInt8: return avx512::dequantize_rows<F>(w, K, rows, out);
       case Isa::kAvx2: return avx2::dequantize_rows<F>(w, K, rows, out);
       default: return portable::dequantize_rows<F>(w, K, rows, out);
     }

@@ -7,7 +7,9 @@
 // bfloat16 x) and runs one GEMM of all tokens against it (at::mm: MKL / oneDNN), then the
 // epilogue on the panel's output columns while they are in cache.
 // The kernels' ISA (portable, avx2, avx512, avx512_vnni: avx512 with int8 activations for up to
-// kInt8MaxT tokens) is the best this CPU runs, or ORCA_QUANT_ISA's.
+// kInt8MaxT tokens, amx_int8: avx512_vnni with AMX-INT8 tile products for more: any number of
+// float32 tokens, up to kAmxMaxTBf16 bfloat16 ones) is the best this CPU runs, or
+// ORCA_QUANT_ISA's.
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
@@ -15,6 +17,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "normalized_input.h"
 #include "quant_blocks.h"
@@ -27,7 +30,9 @@ using cpu::quant::Isa;
 // The most tokens the dot kernels take, per dtype of x: where they stopped beating the panels'
 // GEMM at SmolLM2-135M's shapes (bfloat16's GEMM, on AMX where the CPU has it, wins sooner).
 constexpr int64_t kDotMaxTFloat = 24, kDotMaxTBf16 = 16;
-constexpr int64_t kDotMaxT = std::max(kDotMaxTFloat, kDotMaxTBf16);
+// The most tokens kAmxInt8's tile kernels take (int8 activations) for bfloat16 x, where the
+// panels' bfloat16 GEMM (AMX in oneDNN) overtakes them; float32 x's GEMM never does.
+constexpr int64_t kAmxMaxTBf16 = 160;
 constexpr int64_t kPanelBytes = 1024 * 1024;  // per thread: a dequantized panel, half an L2
 
 Format parse_quant_format(c10::string_view name, const char* what) {
@@ -48,7 +53,7 @@ Isa chosen_quant_isa() {
     return isa;
   }
   TORCH_CHECK(false, "ORCA_QUANT_ISA must be one of 'portable', 'avx2', 'avx512', 'avx512_vnni', "
-              "got '", forced, "'");
+              "'amx_int8', got '", forced, "'");
 }
 
 QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& qweight,
@@ -85,16 +90,16 @@ QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& q
 
 namespace {
 
-// Up to kDotMaxT tokens: the blocks of kSkinnyBlock output columns split across the threads.
+// The dot kernels' tokens: the blocks of kSkinnyBlock output columns split across the threads.
 template <typename scalar_t, Activation act>
-void dot_linear(Isa isa, Format fmt, const float* x, const uint8_t* x_int8, int64_t T,
-                int64_t K, const uint8_t* w, const scalar_t* bias, const scalar_t* residual,
-                scalar_t* out, int64_t N) {
+void dot_linear(Isa isa, Format fmt, const float* x, Int8Path path, const uint8_t* x_int8,
+                int64_t T, int64_t K, const uint8_t* w, const scalar_t* bias,
+                const scalar_t* residual, scalar_t* out, int64_t N) {
   at::parallel_for(0, ceil_div(N, kSkinnyBlock), skinny_grain(K, act),
                    [&](int64_t begin, int64_t end) {
-    float y[2][kDotMaxT * kSkinnyBlock];
-    quant_dot_blocks<scalar_t, act>(isa, fmt, x, x_int8, T, K, w, bias, residual, out, N, begin,
-                                    end, y[0], y[1]);
+    std::vector<float> y(2 * T * kSkinnyBlock);
+    quant_dot_blocks<scalar_t, act>(isa, fmt, x, path, x_int8, T, K, w, bias, residual, out, N,
+                                    begin, end, y.data(), y.data() + T * kSkinnyBlock);
   });
 }
 
@@ -175,17 +180,32 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
   const auto run = [&]<typename scalar_t, Activation a>() {
     const scalar_t* bias_ptr = bias_in ? bias.data_ptr<scalar_t>() : nullptr;
     const scalar_t* res_ptr = residual_in ? residual.data_ptr<scalar_t>() : nullptr;
-    if (T <= (std::is_same_v<scalar_t, float> ? kDotMaxTFloat : kDotMaxTBf16)) {
+    const Int8Path path = int8_activations ? int8_path(isa, T) : Int8Path::kNone;
+    constexpr bool kFloat = std::is_same_v<scalar_t, float>;
+    const int64_t dot_max_t = path == Int8Path::kAmx ? (kFloat ? T : kAmxMaxTBf16)
+                              : kFloat               ? kDotMaxTFloat
+                                                     : kDotMaxTBf16;
+    if (T <= dot_max_t) {
       const at::Tensor x_float = x.to(at::kFloat).contiguous();
-      at::Tensor x_int8;
-      if (int8_activations && uses_int8_activations(isa, T)) {
-        x_int8 = at::empty({cpu::quant::int8_activation_bytes(T, K)}, x.options().dtype(at::kByte));
-        cpu::quant::quantize_activations(fmt, x_float.data_ptr<float>(), T, K,
-                                         x_int8.data_ptr());
+      const float* xf = x_float.data_ptr<float>();
+      const at::Tensor x_int8 =
+          at::empty({int8_bytes(path, T, K)}, x.options().dtype(at::kByte));
+      uint8_t* x_int8_ptr = x_int8.data_ptr<uint8_t>();
+      if (path == Int8Path::kAmx) {
+        // Each group of G tokens is its own slice of the tiles' layout: rounded in parallel.
+        const int64_t G = cpu::quant::amx_group_tokens(T);
+        const int64_t group_bytes = cpu::quant::amx_activation_bytes(G, K);
+        at::parallel_for(0, ceil_div(T, G), 1, [&](int64_t begin, int64_t end) {
+          for (int64_t g = begin; g < end; ++g) {
+            cpu::quant::quantize_activations_amx(fmt, xf + g * G * K, std::min(G, T - g * G), K,
+                                                 G, x_int8_ptr + g * group_bytes);
+          }
+        });
+      } else {
+        quantize_for(path, fmt, xf, T, K, x_int8_ptr);
       }
-      return dot_linear<scalar_t, a>(isa, fmt, x_float.data_ptr<float>(),
-                                     x_int8.defined() ? x_int8.data_ptr<uint8_t>() : nullptr, T,
-                                     K, w, bias_ptr, res_ptr, out.data_ptr<scalar_t>(), n_out);
+      return dot_linear<scalar_t, a>(isa, fmt, xf, path, x_int8_ptr, T, K, w, bias_ptr, res_ptr,
+                                     out.data_ptr<scalar_t>(), n_out);
     }
     panel_linear<scalar_t, a>(isa, fmt, x, w, bias_ptr, res_ptr, out);
   };

@@ -10,18 +10,21 @@
 
 namespace orca::cpu::quant {
 
-// kAvx512Vnni: kAvx512 with int8 activations for the dot kernels (quant_vnni.h).
-enum class Isa { kPortable, kAvx2, kAvx512, kAvx512Vnni };
+// kAvx512Vnni: kAvx512 with int8 activations for the dot kernels of a few tokens (quant_vnni.h);
+// kAmxInt8: kAvx512Vnni with AMX-INT8 tile products on int8 activations for more (quant_amx.h).
+enum class Isa { kPortable, kAvx2, kAvx512, kAvx512Vnni, kAmxInt8 };
 
 // The paths by the names ORCA_QUANT_ISA takes.
 inline constexpr std::pair<const char*, Isa> kIsaNames[] = {{"portable", Isa::kPortable},
                                                             {"avx2", Isa::kAvx2},
                                                             {"avx512", Isa::kAvx512},
-                                                            {"avx512_vnni", Isa::kAvx512Vnni}};
+                                                            {"avx512_vnni", Isa::kAvx512Vnni},
+                                                            {"amx_int8", Isa::kAmxInt8}};
 
 constexpr int64_t kMaxDotTokens = 8;  // dot_rows takes 1 to this many tokens at once
 
-// Whether this CPU runs the path (portable: always).
+// Whether this CPU runs the path (portable: always; amx_int8 also needs the OS to grant the
+// process AMX tile data, asked for once).
 bool isa_supported(Isa isa);
 
 // The fastest path this CPU runs.
@@ -39,6 +42,18 @@ int64_t int8_activation_bytes(int64_t T, int64_t K);
 void quantize_activations(Format format, const float* x, int64_t T, int64_t K, void* x_int8);
 void dot_rows_int8(Format format, const void* x_int8, int64_t T, int64_t K, const uint8_t* w,
                    int64_t rows, float* y, int64_t y_stride);
+
+// kAmxInt8's tile kernels: T tokens are rounded to int8 blocks as for quantize_activations, in
+// groups of amx_group_tokens(T) tokens (4 to 16) laid out as the tiles read them: the bytes of
+// T tokens, the first T tokens of x [T, K] (K a multiple of 32) rounded into groups of G
+// (amx_activation_bytes(G, K) bytes each, the last one padded), and all T tokens' dot products
+// against `rows` rows of w on the groups of amx_group_tokens(T).
+int64_t amx_group_tokens(int64_t T);
+int64_t amx_activation_bytes(int64_t T, int64_t K);
+void quantize_activations_amx(Format format, const float* x, int64_t T, int64_t K, int64_t G,
+                              void* x_amx);
+void dot_rows_amx(Format format, const void* x_amx, int64_t T, int64_t K, const uint8_t* w,
+                  int64_t rows, float* y, int64_t y_stride);
 
 // The rows of w dequantized into out [rows, K]: float32, or bfloat16 bits rounded to nearest even.
 void dequantize_rows(Isa isa, Format format, const uint8_t* w, int64_t K, int64_t rows,
