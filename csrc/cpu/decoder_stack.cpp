@@ -2,7 +2,8 @@
 // one call. Each block: qkv = linear(norm(x)); rotary on q and k; store_kv; attention;
 // x += linear(attention); x += linear(act(linear(norm(x)))).
 //
-// Up to kSkinnyMaxT tokens (decode at small batch) the whole stack runs in ONE parallel region:
+// Up to kSkinnyMaxT tokens (decode at small batch; kQuantStackMaxT for GGUF blocks, whose dot
+// kernels take any number of tokens, on amx_int8) the whole stack runs in ONE parallel region:
 // each linear's blocks split across the threads as packed_linear's skinny path splits them,
 // the attention's work items (the same plan for every layer) handed out dynamically, and a
 // barrier wherever a step needs the previous one's whole output, so a step pays one dispatch
@@ -23,6 +24,9 @@
 
 namespace orca {
 namespace {
+
+// The most tokens a stack of quantized layers takes a call (its linears' y scratch).
+constexpr int64_t kQuantStackMaxT = 64;
 
 struct StackShape {
   int64_t T, hidden, num_heads, num_kv_heads, head_dim, qkv_width, inter;
@@ -132,7 +136,7 @@ void linear_share(const StackShape& s, Activation act, const LinearStep<scalar_t
     for (int64_t i = 0; i < T * K; ++i) floats[i] = static_cast<float>(step.rows[i]);
     const Int8Path path = int8_path(s.isa, T);
     quantize_for(path, *step.format, floats, T, K, int8);
-    float y[2][kSkinnyMaxT * kSkinnyBlock];
+    float y[2][kQuantStackMaxT * kSkinnyBlock];
     dispatch_activation(act, [&]<Activation a>() {
       quant_dot_blocks<scalar_t, a>(s.isa, *step.format, floats, path, int8, T, K,
                                     step.weight.template data_ptr<uint8_t>(), b, step.residual,
@@ -293,7 +297,13 @@ DecoderStack::DecoderStack(std::string norm, double norm_eps, std::string activa
               head_dim);
 }
 
-int64_t DecoderStack::max_tokens() const { return kSkinnyMaxT; }
+int64_t DecoderStack::max_tokens() const {
+  // amx_int8's tile kernels gain on the per-op path's panels up to kQuantStackMaxT tokens; the
+  // float dot kernels, 8 tokens a pass, do not beyond kSkinnyMaxT.
+  const bool quantized = !layers_.empty() && layers_[0].qkv_format.has_value();
+  return quantized && chosen_quant_isa() == cpu::quant::Isa::kAmxInt8 ? kQuantStackMaxT
+                                                                      : kSkinnyMaxT;
+}
 
 void DecoderStack::add_layer(
     const at::Tensor& attn_norm_weight, const std::optional<at::Tensor>& attn_norm_bias,
@@ -503,8 +513,9 @@ at::Tensor DecoderStack::run(const at::Tensor& x_in, const std::vector<at::Tenso
               "x must be ", dtype_, " [T, ", hidden_, "] on the CPU as the stack's "
               "weights, got ", x_in.scalar_type(), " ", shape_str(x_in), " on ", x_in.device());
   const int64_t T = x_in.size(0);
-  TORCH_CHECK(T <= kSkinnyMaxT, "DecoderStack runs up to ", kSkinnyMaxT, " tokens a call, got ",
-              T, " (run the model's own forward for more)");
+  const int64_t most = layers_[0].qkv_format ? kQuantStackMaxT : kSkinnyMaxT;
+  TORCH_CHECK(T <= most, "DecoderStack runs up to ", most, " tokens a call, got ", T,
+              " (run the model's own forward for more)");
   const StackShape s{T, hidden_, num_heads_, num_kv_heads_, head_dim_,
                      (num_heads_ + 2 * num_kv_heads_) * head_dim_, inter_, norm_, act_,
                      chosen_quant_isa(), chosen_attention_isa()};

@@ -72,6 +72,7 @@ class DecoderStack : public torch::CustomClassHolder {
                              bool add_residual) const;
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  // The most tokens a call should take (8; 64 for quantized layers on amx_int8).
   int64_t max_tokens() const;
 
  private:

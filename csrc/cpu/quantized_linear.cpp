@@ -182,7 +182,8 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
     const scalar_t* res_ptr = residual_in ? residual.data_ptr<scalar_t>() : nullptr;
     const Int8Path path = int8_activations ? int8_path(isa, T) : Int8Path::kNone;
     constexpr bool kFloat = std::is_same_v<scalar_t, float>;
-    const int64_t dot_max_t = path == Int8Path::kAmx ? (kFloat ? T : kAmxMaxTBf16)
+    static const int64_t amx_exp = std::getenv("ORCA_AMX_MAX_T") ? std::atoll(std::getenv("ORCA_AMX_MAX_T")) : -1;
+    const int64_t dot_max_t = path == Int8Path::kAmx ? (amx_exp >= 0 ? amx_exp : kFloat ? T : kAmxMaxTBf16)
                               : kFloat               ? kDotMaxTFloat
                                                      : kDotMaxTBf16;
     if (T <= dot_max_t) {
