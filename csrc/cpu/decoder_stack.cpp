@@ -134,7 +134,7 @@ void linear_share(const StackShape& s, Activation act, const LinearStep<scalar_t
   if (step.format) {
     // As quantized_linear: the rows as float32, rounded to int8 blocks for the int8 kernels.
     for (int64_t i = 0; i < T * K; ++i) floats[i] = static_cast<float>(step.rows[i]);
-    const Int8Path path = int8_path(s.isa, T);
+    const Int8Path path = int8_path(s.isa, T, true);
     quantize_for(path, *step.format, floats, T, K, int8);
     float y[2][kQuantStackMaxT * kSkinnyBlock];
     dispatch_activation(act, [&]<Activation a>() {

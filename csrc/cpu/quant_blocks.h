@@ -18,9 +18,11 @@ namespace orca {
 // costs more than the integer dot products save (bench/quantized_linear.py).
 constexpr int64_t kInt8MaxT = 2;
 
-// How a call's activations reach the dot kernels: as float32, rounded to int8 blocks for the
-// VNNI kernels (kAvx512Vnni and kAmxInt8, up to kInt8MaxT tokens), or rounded to int8 blocks in
-// the tiles' layout for kAmxInt8's tile kernels (more tokens).
+// How a call's activations reach the dot kernels: as float32; rounded to int8 blocks for the
+// VNNI kernels (kAvx512Vnni and kAmxInt8, up to kInt8MaxT tokens, where the call allows int8
+// rounding); or split into two int8 parts per block, in the tiles' layout, for kAmxInt8's tile
+// kernels (more tokens; an error of at most max |x| / 64516 of each block, finer than bfloat16,
+// so taken whether or not the call allows int8 rounding).
 enum class Int8Path { kNone, kVnni, kAmx };
 
 // 'q8_0', 'q4_0' or 'q4_1'; a RuntimeError naming `what` otherwise.
@@ -47,10 +49,13 @@ QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& q
                                         const std::optional<at::Tensor>& norm_bias,
                                         double norm_eps);
 
-// The path of T tokens on the ISA, where the call allows int8 activations.
-inline Int8Path int8_path(cpu::quant::Isa isa, int64_t T) {
+// The path of T tokens on the ISA (allow_int8: whether the call allows int8 rounding).
+inline Int8Path int8_path(cpu::quant::Isa isa, int64_t T, bool allow_int8) {
   using cpu::quant::Isa;
-  if ((isa == Isa::kAvx512Vnni || isa == Isa::kAmxInt8) && T <= kInt8MaxT) return Int8Path::kVnni;
+  if (T <= kInt8MaxT) {
+    const bool vnni = isa == Isa::kAvx512Vnni || isa == Isa::kAmxInt8;
+    return vnni && allow_int8 ? Int8Path::kVnni : Int8Path::kNone;
+  }
   return isa == Isa::kAmxInt8 ? Int8Path::kAmx : Int8Path::kNone;
 }
 

@@ -7,9 +7,9 @@
 // bfloat16 x) and runs one GEMM of all tokens against it (at::mm: MKL / oneDNN), then the
 // epilogue on the panel's output columns while they are in cache.
 // The kernels' ISA (portable, avx2, avx512, avx512_vnni: avx512 with int8 activations for up to
-// kInt8MaxT tokens, amx_int8: avx512_vnni with AMX-INT8 tile products for more: any number of
-// float32 tokens, up to kAmxMaxTBf16 bfloat16 ones) is the best this CPU runs, or
-// ORCA_QUANT_ISA's.
+// kInt8MaxT tokens, amx_int8: avx512_vnni with AMX-INT8 tile products on activations split into
+// two int8 parts for more: any number of float32 tokens, up to kAmxMaxTBf16 bfloat16 ones) is
+// the best this CPU runs, or ORCA_QUANT_ISA's.
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
@@ -32,7 +32,7 @@ using cpu::quant::Isa;
 constexpr int64_t kDotMaxTFloat = 24, kDotMaxTBf16 = 16;
 // The most tokens kAmxInt8's tile kernels take (int8 activations) for bfloat16 x, where the
 // panels' bfloat16 GEMM (AMX in oneDNN) overtakes them; float32 x's GEMM never does.
-constexpr int64_t kAmxMaxTBf16 = 160;
+constexpr int64_t kAmxMaxTBf16 = 64;
 constexpr int64_t kPanelBytes = 1024 * 1024;  // per thread: a dequantized panel, half an L2
 
 Format parse_quant_format(c10::string_view name, const char* what) {
@@ -180,10 +180,9 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
   const auto run = [&]<typename scalar_t, Activation a>() {
     const scalar_t* bias_ptr = bias_in ? bias.data_ptr<scalar_t>() : nullptr;
     const scalar_t* res_ptr = residual_in ? residual.data_ptr<scalar_t>() : nullptr;
-    const Int8Path path = int8_activations ? int8_path(isa, T) : Int8Path::kNone;
+    const Int8Path path = int8_path(isa, T, int8_activations);
     constexpr bool kFloat = std::is_same_v<scalar_t, float>;
-    static const int64_t amx_exp = std::getenv("ORCA_AMX_MAX_T") ? std::atoll(std::getenv("ORCA_AMX_MAX_T")) : -1;
-    const int64_t dot_max_t = path == Int8Path::kAmx ? (amx_exp >= 0 ? amx_exp : kFloat ? T : kAmxMaxTBf16)
+    const int64_t dot_max_t = path == Int8Path::kAmx ? (kFloat ? T : kAmxMaxTBf16)
                               : kFloat               ? kDotMaxTFloat
                                                      : kDotMaxTBf16;
     if (T <= dot_max_t) {

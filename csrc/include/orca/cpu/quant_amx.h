@@ -1,14 +1,17 @@
-// The quantized linear's AMX-INT8 path (Isa::kAmxInt8) for more than a couple of tokens: the
-// activations rounded to int8 blocks as the VNNI path rounds them (quant_vnni.h: per 32-value
-// block, dx = max |x| / 127, q = nearest-even(x / dx)), and one tile product per block of up to
-// 16 tokens by 16 weight rows by 32 values, exact in int32, then scaled to float by the block's
-// activation and weight scales and summed over the blocks in registers. A weight's block scale
-// changes every 32 values, so a tile product may not run over more than one block.
-// Tiles: A = a group of G tokens' block (G rows of 32 signed bytes, read in place from the
-// rounded activations), B = 16 weight rows' block in the VNNI layout (row r: weight row n's
-// values 4r..4r+3 at bytes 4n..4n+3; q8_0 signed bytes, q4_0 / q4_1 nibbles 0..15), prepared
-// per group of 16 weight rows in a scratch panel; C = G x 16 int32. The tile products' cost
-// grows with G (their rows), so a few tokens cost little.
+// The quantized linear's AMX-INT8 path (Isa::kAmxInt8) for more than a couple of tokens, on
+// activations split into two int8 parts per 32-value block: hi = nearest-even(x / dx) with
+// dx = max |x| / 127 (the VNNI path's rounding, quant_vnni.h), then the remainder's
+// lo = nearest-even((x - hi dx) / dx_lo) with dx_lo = dx / 254, so x = hi dx + lo dx_lo + e
+// with |e| <= dx / 508 = max |x| / 64516: about 16 bits of each block, finer than bfloat16.
+// Each block of up to 16 tokens by 16 weight rows by 32 values takes two tile products (hi and
+// lo), exact in int32, scaled to float by the block's activation and weight scales and summed
+// over the blocks in registers. A weight's block scale changes every 32 values, so a tile
+// product may not run over more than one block.
+// Tiles: A = a group of G tokens' hi or lo bytes of a block (G rows of 32 signed bytes, read in
+// place), B = 16 weight rows' block in the VNNI layout (row r: weight row n's values 4r..4r+3
+// at bytes 4n..4n+3; q8_0 signed bytes, q4_0 / q4_1 nibbles 0..15), prepared per group of 16
+// weight rows in a scratch panel; C = G x 16 int32. The tile products' cost grows with G (their
+// rows), so a few tokens cost little.
 #pragma once
 
 #include <immintrin.h>
@@ -35,65 +38,84 @@ constexpr int64_t group_tokens(int64_t T) {
 }
 constexpr int64_t token_groups(int64_t T) { return (T + group_tokens(T) - 1) / group_tokens(T); }
 
-// A group of G tokens as the tiles read it, group_bytes(G, K) bytes a group:
-// q [G, K] the rounded values, then dx [G, K / 32] each block's scale and corr [G, K / 32] the
-// weights' offset term per unit of the weight's d (q4_0: -8 dx sum q) or m (q4_1: dx sum q;
-// q8_0: none). Tokens past T are zero.
+// A group of G tokens as the tiles read it, group_bytes(G, K) bytes a group: hi [G, K] and
+// lo [G, K] the two int8 parts, then per token and block [G, K / 32] the scales dx and dx_lo,
+// and corr, the weights' offset term per unit of the weight's d (q4_0: -8 (dx sum hi + dx_lo
+// sum lo)) or m (q4_1: dx sum hi + dx_lo sum lo; q8_0: none). Tokens past T are zero.
 constexpr int64_t group_bytes(int64_t G, int64_t K) {
-  return G * K + 2 * G * (K / kBlockSize) * static_cast<int64_t>(sizeof(float));
+  return 2 * G * K + 3 * G * (K / kBlockSize) * static_cast<int64_t>(sizeof(float));
 }
 
 struct TokenGroup {
-  const int8_t* q;
+  const int8_t* hi;
+  const int8_t* lo;
   const float* dx;
+  const float* dx_lo;
   const float* corr;
 };
 
 inline TokenGroup token_group(const uint8_t* x, int64_t G, int64_t K, int64_t g) {
   const uint8_t* base = x + g * group_bytes(G, K);
-  const auto* dx = reinterpret_cast<const float*>(base + G * K);
-  return {reinterpret_cast<const int8_t*>(base), dx, dx + G * (K / kBlockSize)};
+  const auto* dx = reinterpret_cast<const float*>(base + 2 * G * K);
+  const int64_t n = G * (K / kBlockSize);
+  return {reinterpret_cast<const int8_t*>(base), reinterpret_cast<const int8_t*>(base + G * K),
+          dx, dx + n, dx + 2 * n};
 }
 
-// Tokens [0, T) of x [T, K] (K a multiple of 32) rounded into groups of G tokens from `out` on
+// Tokens [0, T) of x [T, K] (K a multiple of 32) split into groups of G tokens from `out` on
 // (T need not fill the last group).
 inline void quantize_activations(Format f, const float* x, int64_t T, int64_t K, int64_t G,
                                  uint8_t* out) {
   const int64_t blocks = K / kBlockSize;
   const int64_t groups = (T + G - 1) / G;
   std::memset(out, 0, groups * group_bytes(G, K));
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t t = 0; t < T; ++t) {
     const int64_t g = t / G, j = t % G;
     uint8_t* base = out + g * group_bytes(G, K);
-    auto* q = reinterpret_cast<int8_t*>(base) + j * K;
-    auto* dx = reinterpret_cast<float*>(base + G * K) + j * blocks;
-    float* corr = dx + G * blocks;
+    auto* hi = reinterpret_cast<int8_t*>(base) + j * K;
+    int8_t* lo = hi + G * K;
+    auto* dx = reinterpret_cast<float*>(base + 2 * G * K) + j * blocks;
+    float* dx_lo = dx + G * blocks;
+    float* corr = dx_lo + G * blocks;
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = x + t * K + b * kBlockSize;
-      const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+      const __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
       const float amax = _mm512_reduce_max_ps(
-          _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-      const float d = amax / 127.f;
+          _mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+      const float d = amax / 127.f, d_lo = d / 254.f;
       const __m512 inverse = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
-      // Rounded to nearest even, as the VNNI path's std::nearbyint in the default mode.
-      constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-      const __m512i q_lo = _mm512_cvt_roundps_epi32(_mm512_mul_ps(lo, inverse), kRound);
-      const __m512i q_hi = _mm512_cvt_roundps_epi32(_mm512_mul_ps(hi, inverse), kRound);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlockSize),
-                       _mm512_cvtsepi32_epi8(q_lo));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlockSize + 16),
-                       _mm512_cvtsepi32_epi8(q_hi));
-      const auto sum = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi)));
+      const __m512 inverse_lo = _mm512_set1_ps(d > 0.f ? 1.f / d_lo : 0.f);
+      __m512i sums = _mm512_setzero_si512(), sums_lo = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {
+        // Rounded to nearest even, as the VNNI path's std::nearbyint in the default mode.
+        const __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v[h], inverse), kRound);
+        const __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d), v[h]);
+        // |rest| <= dx / 2, so |lo| <= 127 but for the float rounding of rest: clamped.
+        const __m512i q_lo = _mm512_max_epi32(
+            _mm512_min_epi32(_mm512_cvt_roundps_epi32(_mm512_mul_ps(rest, inverse_lo), kRound),
+                             _mm512_set1_epi32(127)),
+            _mm512_set1_epi32(-127));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + b * kBlockSize + 16 * h),
+                         _mm512_cvtsepi32_epi8(q));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + b * kBlockSize + 16 * h),
+                         _mm512_cvtsepi32_epi8(q_lo));
+        sums = _mm512_add_epi32(sums, q);
+        sums_lo = _mm512_add_epi32(sums_lo, q_lo);
+      }
+      const float sum = d * static_cast<float>(_mm512_reduce_add_epi32(sums)) +
+                        d_lo * static_cast<float>(_mm512_reduce_add_epi32(sums_lo));
       dx[b] = d;
-      corr[b] = f == Format::kQ4_0 ? -8.f * d * sum : f == Format::kQ4_1 ? d * sum : 0.f;
+      dx_lo[b] = d_lo;
+      corr[b] = f == Format::kQ4_0 ? -8.f * sum : f == Format::kQ4_1 ? sum : 0.f;
     }
   }
 }
 
-// The tile product pipeline keeps kStages blocks in flight (tiles 0-3: their C, G rows of 16
-// int32), so that a block's products are ready when they are scaled; A (tiles 4-5: G rows of 32
-// bytes) and B (tiles 6-7: 8 rows of 64 bytes) alternate.
-constexpr int kStages = 4;
+// The tile product pipeline keeps two blocks in flight, so that a block's products are ready
+// when they are scaled: stage s's C tiles 2s (hi) and 2s + 1 (lo), G rows of 16 int32, and its
+// B tile 6 + s (8 rows of 64 bytes); the A tiles 4 (hi) and 5 (lo), G rows of 32 bytes.
+constexpr int kStages = 2;
 
 // Loaded at each call: other code on the thread (oneDNN's AMX GEMMs, the attention's tiles) may
 // have configured the tiles otherwise.
@@ -104,7 +126,7 @@ inline void configure_tiles(int64_t G) {
     uint8_t rows[16];
   } config{};
   config.palette = 1;
-  for (int t = 0; t < kStages; ++t) {
+  for (int t = 0; t < 4; ++t) {
     config.colsb[t] = 4 * kTile;
     config.rows[t] = static_cast<uint8_t>(G);
   }
@@ -233,49 +255,56 @@ inline RowGroup prepare_rows(const uint8_t* w, int64_t K, int64_t rows,
   return {panel, d, m};
 }
 
-// Block b's products into C tile kStage (of the pipeline's), from A and B tiles 4 + kStage % 2
-// and 6 + kStage % 2.
+// Block b's hi and lo products into stage kStage's C tiles.
 template <Format F, int kStage>
 inline void block_product(const RowGroup& w, const TokenGroup& x, int64_t K, int64_t b) {
-  constexpr int kA = 4 + kStage % 2, kB = 6 + kStage % 2;
-  tile_load<kA>(x.q + b * kBlockSize, K);
+  constexpr int kHi = 2 * kStage, kLo = 2 * kStage + 1, kB = 6 + kStage;
+  constexpr bool kSigned = F == Format::kQ8_0;
   tile_load<kB>(w.b + b * kBlockSize * kTile, 4 * kTile);
-  tile_zero<kStage>();
-  tile_dot<F == Format::kQ8_0, kStage, kA, kB>();
+  tile_load<4>(x.hi + b * kBlockSize, K);
+  tile_zero<kHi>();
+  tile_dot<kSigned, kHi, 4, kB>();
+  tile_load<5>(x.lo + b * kBlockSize, K);
+  tile_zero<kLo>();
+  tile_dot<kSigned, kLo, 5, kB>();
 }
 
-// acc[t] (16 weight rows' lanes) += block b's scaled products, read from c (kG x 16 int32).
+// acc[t] (16 weight rows' lanes) += block b's scaled products, read from c (hi and lo, kG x
+// 16 int32 each).
 template <Format F, int kG>
 inline void scale_block(const RowGroup& w, const TokenGroup& x, int64_t blocks, int64_t b,
-                        const int32_t* c, __m512 (&acc)[kTile]) {
+                        const int32_t (&c)[2][kTile * kTile], __m512 (&acc)[kTile]) {
   const __m512 d = _mm512_loadu_ps(w.d + b * kTile);
   const __m512 m = _mm512_loadu_ps(w.m + b * kTile);
 #pragma GCC unroll 16
   for (int t = 0; t < kG; ++t) {
-    const __m512 products = _mm512_cvtepi32_ps(_mm512_loadu_si512(c + t * kTile));
-    const __m512 dx = _mm512_set1_ps(x.dx[t * blocks + b]);
-    const __m512 corr = _mm512_set1_ps(x.corr[t * blocks + b]);
+    const int64_t i = t * blocks + b;
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_loadu_si512(c[0] + t * kTile));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_loadu_si512(c[1] + t * kTile));
+    const __m512 products = _mm512_fmadd_ps(lo, _mm512_set1_ps(x.dx_lo[i]),
+                                            _mm512_mul_ps(hi, _mm512_set1_ps(x.dx[i])));
+    const __m512 corr = _mm512_set1_ps(x.corr[i]);
     if constexpr (F == Format::kQ4_0) {
-      // d (q dx - 8 dx sum q): the nibbles' offset of 8 taken back per token.
-      acc[t] = _mm512_fmadd_ps(_mm512_fmadd_ps(products, dx, corr), d, acc[t]);
+      // d (x . nibbles - 8 sum x): the nibbles' offset of 8 taken back per token.
+      acc[t] = _mm512_fmadd_ps(_mm512_add_ps(products, corr), d, acc[t]);
     } else {
-      acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(products, dx), d, acc[t]);
+      acc[t] = _mm512_fmadd_ps(products, d, acc[t]);
       if constexpr (F == Format::kQ4_1) acc[t] = _mm512_fmadd_ps(m, corr, acc[t]);
     }
   }
 }
 
-// Stage kStage of group_product's pipeline at block b: block b + kStages - 1's products issued
-// (into the C tile block b - 1 freed), block b's stored, and block b - 1's, stored a step ago,
-// scaled into acc (scaling the products just stored would wait for the store to land).
+// Stage kStage of group_product's pipeline at block b: block b + 1's products issued (into the
+// C tiles block b - 1 freed), block b's stored, and block b - 1's, stored a step ago, scaled
+// into acc (scaling the products just stored would wait for the stores to land).
 template <Format F, int kG, int kStage>
 inline void pipeline_step(const RowGroup& w, const TokenGroup& x, int64_t K, int64_t b,
-                          int32_t (&c)[2][kTile * kTile], __m512 (&acc)[kTile]) {
-  constexpr int kNext = (kStage + kStages - 1) % kStages;
+                          int32_t (&c)[2][2][kTile * kTile], __m512 (&acc)[kTile]) {
   const int64_t blocks = K / kBlockSize;
-  if (b + kStages - 1 < blocks) block_product<F, kNext>(w, x, K, b + kStages - 1);
-  tile_store<kStage>(c[kStage % 2]);
-  if (b > 0) scale_block<F, kG>(w, x, blocks, b - 1, c[(kStage + 1) % 2], acc);
+  if (b + 1 < blocks) block_product<F, 1 - kStage>(w, x, K, b + 1);
+  tile_store<2 * kStage>(c[kStage][0]);
+  tile_store<2 * kStage + 1>(c[kStage][1]);
+  if (b > 0) scale_block<F, kG>(w, x, blocks, b - 1, c[1 - kStage], acc);
 }
 
 // y[t * y_stride + n] = x[t] . W[n] for the group's tokens (< tokens) and rows (< rows), over
@@ -284,22 +313,16 @@ template <Format F, int kG>
 inline void group_product(const RowGroup& w, const TokenGroup& x, int64_t K, int64_t rows,
                           int64_t tokens, float* y, int64_t y_stride) {
   const int64_t blocks = K / kBlockSize;
-  alignas(64) int32_t c[2][kTile * kTile];
+  alignas(64) int32_t c[2][2][kTile * kTile];
   __m512 acc[kTile];
   // Unrolled before the loop passes could turn it into a memset, which keeps acc in memory.
 #pragma GCC unroll 16
   for (auto& a : acc) a = _mm512_setzero_ps();
   block_product<F, 0>(w, x, K, 0);
-  if (blocks > 1) block_product<F, 1>(w, x, K, 1);
-  if (blocks > 2) block_product<F, 2>(w, x, K, 2);
-  for (int64_t b = 0; b < blocks; b += kStages) {
+  for (int64_t b = 0; b < blocks; b += 2) {
     pipeline_step<F, kG, 0>(w, x, K, b, c, acc);
     if (b + 1 >= blocks) break;
     pipeline_step<F, kG, 1>(w, x, K, b + 1, c, acc);
-    if (b + 2 >= blocks) break;
-    pipeline_step<F, kG, 2>(w, x, K, b + 2, c, acc);
-    if (b + 3 >= blocks) break;
-    pipeline_step<F, kG, 3>(w, x, K, b + 3, c, acc);
   }
   scale_block<F, kG>(w, x, blocks, blocks - 1, c[(blocks - 1) % 2], acc);
   const auto live = static_cast<__mmask16>((1u << rows) - 1);
