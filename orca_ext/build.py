@@ -3,6 +3,7 @@ model -> ops), in this process or on distributed workers."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 
 from .config import EngineConfig
@@ -39,10 +40,15 @@ def build_engine(config: EngineConfig) -> Engine:
     allocator = SlotAllocator(num_blocks, config.block_size)
     kv_cache = KVCache(loaded.config, num_blocks, config.block_size, loaded.dtype, loaded.device)
     runner = ModelRunner(loaded.model, kv_cache)
-    return Engine(runner, make_scheduler(config.scheduler_config(), allocator),
-                  max_model_len=loaded.max_model_len, tokenizer=loaded.tokenizer,
-                  eos_token_ids=loaded.eos_token_ids, vocab_size=loaded.config.vocab_size,
-                  chat_template=loaded.chat_template, bos_token_id=loaded.config.bos_token_id)
+    engine = Engine(runner, make_scheduler(config.scheduler_config(), allocator),
+                    max_model_len=loaded.max_model_len, tokenizer=loaded.tokenizer,
+                    eos_token_ids=loaded.eos_token_ids, vocab_size=loaded.config.vocab_size,
+                    chat_template=loaded.chat_template, bos_token_id=loaded.config.bos_token_id)
+    # The model, the tokenizer and the engine live long: collected once, then frozen out of the
+    # cyclic collector's generations, whose passes then visit only the requests' objects.
+    gc.collect()
+    gc.freeze()
+    return engine
 
 
 def with_context(loaded, max_model_len: int | None):

@@ -18,7 +18,7 @@ from orca_ext.quantize import dequantize_weight, quantize_weight
 FORMATS = ["q8_0", "q4_0", "q4_1"]
 ISAS = ["portable", "avx2", "avx512", "avx512_vnni", "amx_int8"]
 INT8_MAX_T = 2  # up to this many tokens avx512_vnni rounds the activations to int8 blocks
-AMX_MAX_T_BF16 = 160  # amx_int8 rounds any number of float32 tokens, this many bfloat16 ones
+AMX_MAX_T_BF16 = 64  # amx_int8's tiles take any number of float32 tokens, this many bfloat16
 DTYPES = [torch.float32, torch.bfloat16]
 # float32: the kernels sum K <= 576 float32 products in another order than the float64
 # reference, an error of order sqrt(K) * 2**-24 of the sum of |terms| (~1e-6 here), and the
@@ -32,8 +32,8 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 # Up to 24 tokens (float32; bfloat16: 16) the dot kernels, 8 tokens at a time (9, 16, 17 and 24
 # take two and three passes); more, the dequantized panels and a GEMM (600: several panels).
 # amx_int8: groups of 4 to 16 tokens (5: one of 8, 17: two of 12, 64: four of 16), a padded
-# last group (25, 600), up to 160 bfloat16 tokens.
-TOKENS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 25, 64, 160, 600]
+# last group (25, 600), up to 64 bfloat16 tokens (65: the panels).
+TOKENS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 25, 64, 65, 600]
 # K: one block, and 3, 9, 18 blocks (none a multiple of 256); N odd: partial row groups and a
 # partial last block of output columns.
 SHAPES = [(32, 7), (96, 33), (288, 129), (576, 33)]
@@ -65,17 +65,36 @@ def int8_rounded(rows: torch.Tensor) -> torch.Tensor:
     return (torch.round(x * inverse).double() * dx.double()).reshape(rows.shape)
 
 
-def rounds_to_int8(isa: str, T: int, dtype: torch.dtype) -> bool:
-    """Whether the path rounds T tokens of x to int8 blocks: avx512_vnni up to INT8_MAX_T,
-    amx_int8 also its tile kernels' tokens."""
-    if isa == "amx_int8":
-        return dtype == torch.float32 or T <= AMX_MAX_T_BF16
-    return isa == "avx512_vnni" and T <= INT8_MAX_T
+def int8x2_rounded(rows: torch.Tensor) -> torch.Tensor:
+    """float64 ``rows [T, K]`` as amx_int8's tiles take them: each block of 32 as int8 multiples
+    of ``dx = max |x| / 127`` (int8_rounded) plus the remainder as int8 multiples of dx / 254,
+    in float32, nearest even: within max |x| / 64516 of each value."""
+    x = rows.float().reshape(rows.shape[0], -1, 32)
+    dx = x.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    hi = torch.round(x * inverse)
+    dx_lo = dx / 254
+    inverse_lo = torch.where(dx > 0, 1 / dx_lo, torch.zeros_like(dx))
+    lo = torch.round((x - hi * dx) * inverse_lo).clamp(-127, 127)
+    return (hi.double() * dx.double() + lo.double() * dx_lo.double()).reshape(rows.shape)
 
 
-def kernel_rows(rows: torch.Tensor, isa: str, dtype: torch.dtype) -> torch.Tensor:
-    """The activations the kernels multiply: int8-rounded where the path does so."""
-    return int8_rounded(rows) if rounds_to_int8(isa, rows.shape[0], dtype) else rows
+def rounding(isa: str, T: int, dtype: torch.dtype, int8_activations: bool = True):
+    """How the path rounds T tokens of x: int8_rounded where avx512_vnni (and amx_int8) take
+    up to INT8_MAX_T tokens so, int8x2_rounded where amx_int8's tiles take them, else None."""
+    if T <= INT8_MAX_T:
+        vnni = isa in ("avx512_vnni", "amx_int8") and int8_activations
+        return int8_rounded if vnni else None
+    if isa == "amx_int8" and (dtype == torch.float32 or T <= AMX_MAX_T_BF16):
+        return int8x2_rounded
+    return None
+
+
+def kernel_rows(rows: torch.Tensor, isa: str, dtype: torch.dtype,
+                int8_activations: bool = True) -> torch.Tensor:
+    """The activations the kernels multiply."""
+    rounded = rounding(isa, rows.shape[0], dtype, int8_activations)
+    return rounded(rows) if rounded else rows
 
 
 def normed_rows(x: torch.Tensor, norm: str, gamma, beta, eps: float) -> torch.Tensor:
@@ -102,11 +121,13 @@ def test_quantized_linear(isa, fmt, dtype, T, K, N):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("isa,T", [("avx512_vnni", 1), ("avx512_vnni", 2), ("amx_int8", 3),
-                                   ("amx_int8", 16), ("amx_int8", 40), ("amx_int8", 300)])
-def test_int8_activation_error(fmt, isa, T, monkeypatch):
+@pytest.mark.parametrize("isa,T,steps", [("avx512_vnni", 1, 2), ("avx512_vnni", 2, 2),
+                                         ("amx_int8", 1, 2), ("amx_int8", 3, 508),
+                                         ("amx_int8", 40, 508), ("amx_int8", 300, 508)])
+def test_int8_activation_error(fmt, isa, T, steps, monkeypatch):
     """The int8 paths' one error beyond float32 accumulation: each activation rounded by at most
-    half its block's step dx, so an output moves by at most sum_k |w_k| dx_k / 2."""
+    its block's dx / steps (int8: half the step dx = max |x| / 127; amx_int8's two parts: half
+    the step dx / 254), so an output moves by at most sum_k |w_k| dx_k / steps."""
     if isa not in _C.quant_isas():
         pytest.skip(f"this CPU does not run the {isa} path")
     monkeypatch.setenv("ORCA_QUANT_ISA", isa)
@@ -114,10 +135,13 @@ def test_int8_activation_error(fmt, isa, T, monkeypatch):
     q, w = quantized(fmt, K, N)
     x = torch.randn(T, K, generator=torch.Generator().manual_seed(5))
     dx = (x.reshape(T, -1, 32).abs().amax(-1, keepdim=True) / 127).expand(-1, -1, 32)
-    bound = (dx.reshape(T, K).double() / 2) @ w.double().abs().t()
-    error = (ops.quantized_linear(x, q, fmt, K).double() - x.double() @ w.double().t()).abs()
+    bound = (dx.reshape(T, K).double() / steps) @ w.double().abs().t()
+    out = ops.quantized_linear(x, q, fmt, K).double()
+    error = (out - x.double() @ w.double().t()).abs()
     assert (error <= bound + TOL[torch.float32]).all()
-    assert error.max() > 10 * TOL[torch.float32]  # the activations are rounded indeed
+    # The activations are rounded indeed: the reference without the rounding is further off.
+    exact = (out - kernel_rows(x.double(), isa, torch.float32) @ w.double().t()).abs()
+    assert error.mean() > 10 * exact.mean()
 
 
 # (activation, bias, residual, norm): each epilogue piece, and all of them together.
@@ -146,7 +170,7 @@ def test_quantized_linear_epilogue(isa, fmt, dtype, T, activation, with_bias, wi
     kind = "layer_norm" if norm.startswith("layer_norm") else norm
     norm_args = () if norm == "none" else (kind, gamma, beta, 1e-5)
     out = ops.quantized_linear(x, q, fmt, K, b, activation, r, *norm_args)
-    if rounds_to_int8(isa, T, dtype):  # the op's own normalized rows, int8-rounded
+    if rounding(isa, T, dtype):  # the op's own normalized rows, rounded
         rows = kernel_rows(x.double() if norm == "none" else normed_rows(x, *norm_args).double(),
                            isa, dtype)
     else:

@@ -53,16 +53,6 @@ def native_and_float(gguf_file):
 
 
 @pytest.fixture
-def float_kernels(monkeypatch) -> str:
-    """The best path with float activations (no int8 rounding), for comparisons with the float
-    model at float32 summation-order tolerance: the random tiny models' logits are near-ties
-    that the int8 paths' rounding flips (the real model's agreement: test_real_model.py)."""
-    best = next(name for name in ("avx512", "avx2", "portable") if name in _C.quant_isas())
-    monkeypatch.setenv("ORCA_QUANT_ISA", best)
-    return best
-
-
-@pytest.fixture
 def isa(request, monkeypatch) -> str:
     if request.param not in _C.quant_isas():
         pytest.skip(f"this CPU does not run the {request.param} path")
@@ -112,10 +102,10 @@ def test_native_logits_match_the_dequantized_model(native_and_float, isa):
 
 @pytest.mark.parametrize("isa", ["avx512_vnni", "amx_int8"], indirect=True)
 def test_int8_activation_logits_stay_close(native_and_float, isa):
-    """avx512_vnni rounds the activations of 1-2 token steps to int8 per block of 32, as
-    llama.cpp does, and amx_int8 those of longer ones too: each is off by up to max |x| / 254 of
-    its block, a relative error of ~0.4 % per product that averages out over K; logits move by a
-    few 1e-3 and the top token stays."""
+    """avx512_vnni and amx_int8 round the activations of 1-2 token steps to int8 per block of
+    32, as llama.cpp does: each is off by up to max |x| / 254 of its block, a relative error of
+    ~0.4 % per product that averages out over K; logits move by a few 1e-3 and the top token
+    stays. amx_int8's longer steps (two int8 parts: max |x| / 64516) stay closer still."""
     native, dequantized = native_and_float
     for tokens in (TOKENS[:1], TOKENS[:2]) + ((TOKENS,) if isa == "amx_int8" else ()):
         got, want = forward_logits(native, tokens), forward_logits(dequantized, tokens)
@@ -124,8 +114,8 @@ def test_int8_activation_logits_stay_close(native_and_float, isa):
         assert (got.argmax(-1) == want.argmax(-1)).sum() >= len(tokens) - len(tokens) // 12
 
 
-def test_greedy_outputs_match_the_dequantized_model(native_and_float, float_kernels):
-    """The engine on the stored formats (DecoderStack decode steps, float activations) and on
+def test_greedy_outputs_match_the_dequantized_model(native_and_float):
+    """The engine on the stored formats (DecoderStack decode steps on the default ISA) and on
     the dequantized weights: greedy outputs equal on most prompts (a near-tie in a random tiny
     model may flip one token, and everything after it)."""
     native, dequantized = native_and_float
@@ -167,11 +157,12 @@ def test_mixed_and_k_quant_tensors_convert_to_q8_0(tmp_path, caplog):
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen2", "gpt2"])
-def test_quantization_of_a_safetensors_model(name, fmt, tmp_path, float_kernels):
+def test_quantization_of_a_safetensors_model(name, fmt, tmp_path):
     """``quantization=fmt`` quantizes every linear of a Hugging Face model at load (GPT-2's
     Conv1D transposed first): the reference is the float model with each linear weight replaced
     by its quantized-then-dequantized values, which the kernels reproduce to float32 summation
-    order."""
+    order and, on amx_int8, its split of the activations (within max |x| / 64516 of each: a
+    misplaced weight would move a logit by >= 1e-2)."""
     folder = save_hf_model(make_hf_model(name), tmp_path)
     quantized = load_model(str(folder), quantization=fmt)
     reference = load_model(str(folder))
@@ -186,7 +177,7 @@ def test_quantization_of_a_safetensors_model(name, fmt, tmp_path, float_kernels)
     tied = reference.config.tie_word_embeddings
     assert isinstance(_embedding(quantized.model), QuantizedEmbedding) == tied
     torch.testing.assert_close(forward_logits(quantized, TOKENS),
-                               forward_logits(reference, TOKENS), rtol=1e-4, atol=1e-4)
+                               forward_logits(reference, TOKENS), rtol=1e-3, atol=1e-3)
 
 
 def test_orca_tiny_quantized_at_load_generates():
@@ -335,20 +326,27 @@ def test_loaded_model_takes_no_quantization():
         load_model("orca-tiny", quantization="Q8_0")
 
 
-@pytest.mark.parametrize("isa,tokens", [("avx512_vnni", (1, 2)), ("amx_int8", (1, 2, 5, 40))])
-def test_float_activations_on_request(monkeypatch, isa, tokens):
-    """``int8_activations=False`` runs the int8 paths' steps on the activations as given: the
-    float avx512 path's results (the output heads' logits)."""
+@pytest.mark.parametrize("isa", ["avx512_vnni", "amx_int8"])
+def test_float_activations_on_request(monkeypatch, isa):
+    """``int8_activations=False`` runs the int8 paths' one- and two-token steps on the
+    activations as given: the float avx512 path's results (the output heads' logits). amx_int8's
+    tiles (3 tokens and more) split the activations into two int8 parts either way, within
+    max |x| / 64516 of each."""
     if isa not in _C.quant_isas():
         pytest.skip(f"this CPU does not run the {isa} path")
     q = quantize_weight(torch.randn(70, 96), "q4_1")
     op = torch.ops.orca.quantized_linear.default
-    for T in tokens:
+    for T in (1, 2, 5, 40) if isa == "amx_int8" else (1, 2):
         x = torch.randn(T, 96)
         monkeypatch.setenv("ORCA_QUANT_ISA", "avx512")
         want = ops.quantized_linear(x, q, "q4_1", 96)
         monkeypatch.setenv("ORCA_QUANT_ISA", isa)
-        assert torch.equal(ops.quantized_linear(x, q, "q4_1", 96, int8_activations=False), want)
-        assert not torch.equal(ops.quantized_linear(x, q, "q4_1", 96), want)
+        got = ops.quantized_linear(x, q, "q4_1", 96, int8_activations=False)
+        if T <= 2:
+            assert torch.equal(got, want)
+            assert not torch.equal(ops.quantized_linear(x, q, "q4_1", 96), want)
+        else:
+            assert torch.equal(got, ops.quantized_linear(x, q, "q4_1", 96))
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
         torch.library.opcheck(op, (x, q, "q4_1", 96, None, "none", None, "none", None, None,
                                    1e-5, False))
