@@ -6,8 +6,8 @@
 SmolLM2-135M's linears (hidden 576, intermediate 1536, 9 query and 3 KV heads of 64, vocab
 49152), per token count and activation dtype: the median time of each op and its effective
 bandwidth, the weight bytes it reads per call over that time (float weights: 4 or 2 bytes per
-weight; blocks: 34, 18 or 20 bytes per 32). ORCA_QUANT_ISA=portable|avx2|avx512|avx512_vnni
-forces the quantized kernels' path.
+weight; blocks: 34, 18 or 20 bytes per 32).
+ORCA_QUANT_ISA=portable|avx2|avx512|avx512_vnni|amx_int8 forces the quantized kernels' path.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from orca_ext.model import load_model
 from orca_ext.model.layers import Linear
 from orca_ext.model.quantized import QuantizedEmbedding, QuantizedLinear
 from orca_ext.quantize import dequantize_weight, quantize_weight
-from orca_ext.runner.decoder_stack import unsupported_reason
+from orca_ext.runner.decoder_stack import build_decoder_stack, unsupported_reason
 
 ARCHS = ["llama", "qwen2", "gpt2"]
 ISAS = ["portable", "avx2", "avx512", "avx512_vnni", "amx_int8"]
@@ -203,6 +203,34 @@ def test_decoder_stack_on_quantized_blocks_is_bit_exact(native_and_float, batch,
     assert torch.equal(got, want)
     for (k_want, v_want), (k_got, v_got) in zip(want_caches, got_caches):
         assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+
+
+# A stack of quantized layers takes up to 64 tokens a call (its max_tokens() on amx_int8).
+WIDE_BATCHES = {"decode_32": [(i * 3, 1) for i in range(32)],
+                "mixed_64": [(0, 30), (11, 1), (4, 17), (40, 16)]}
+
+
+@pytest.mark.parametrize("batch", list(WIDE_BATCHES))
+@pytest.mark.parametrize("isa", ["amx_int8"], indirect=True)
+def test_quantized_stack_takes_64_tokens_bit_exact(native_and_float, batch, isa):
+    native, _ = native_and_float
+    (want, want_caches), (got, got_caches) = run_both(native, WIDE_BATCHES[batch])
+    assert torch.equal(got, want)
+    for (k_want, v_want), (k_got, v_got) in zip(want_caches, got_caches):
+        assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_quantized_stack_max_tokens(native_and_float, isa):
+    stack = build_decoder_stack(native_and_float[0].model)
+    most = 64 if isa == "amx_int8" else 8
+    assert stack.max_tokens() == most
+    x = torch.zeros(most + 1, native_and_float[0].config.hidden_size)
+    caches = [torch.zeros(1)] * stack.num_layers()
+    with pytest.raises(RuntimeError, match=f"DecoderStack runs up to {most} tokens a call, got "
+                                           f"{most + 1}"):
+        stack.forward(x, caches, caches, *[torch.zeros(1, dtype=torch.int32)] * 3,
+                      torch.zeros(most + 1, dtype=torch.int64), None, None)
 
 
 def test_decoder_stack_bfloat16_activations_bit_exact(gguf_file):

@@ -69,9 +69,9 @@ def test_stored_formats_stay_quantized(native):
 
 
 def test_stored_formats_greedy_answers_match_dequantized(native, loaded, hf_tokenizer):
-    """Greedy chat answers on the stored formats (int8 activations in decode steps on
-    avx512_vnni) against the dequantized float32 model: most equal (bench/quantized_model.py
-    measures 32 questions)."""
+    """Greedy chat answers on the stored formats (int8 activations in 1-2 token steps on
+    avx512_vnni and amx_int8, amx_int8's two int8 parts in the others) against the dequantized
+    float32 model: most equal (bench/quantized_model.py measures 32 questions)."""
     params = SamplingParams(temperature=0, max_tokens=32)
     prompts = [_chat_ids(hf_tokenizer, q) for q in QUESTIONS]
     answers = [[list(o.outputs[0].token_ids) for o in

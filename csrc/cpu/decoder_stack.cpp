@@ -19,6 +19,7 @@
 
 #include "attention_plan.h"
 #include "orca/cpu/norm.h"
+#include "normalized_input.h"
 #include "quant_blocks.h"
 #include "skinny_blocks.h"
 
@@ -27,6 +28,7 @@ namespace {
 
 // The most tokens a stack of quantized layers takes a call (its linears' y scratch).
 constexpr int64_t kQuantStackMaxT = 64;
+static_assert(kQuantStackMaxT <= kRowNormMaxT, "the per-op linears' norms must be the stack's");
 
 struct StackShape {
   int64_t T, hidden, num_heads, num_kv_heads, head_dim, qkv_width, inter;
@@ -513,7 +515,7 @@ at::Tensor DecoderStack::run(const at::Tensor& x_in, const std::vector<at::Tenso
               "x must be ", dtype_, " [T, ", hidden_, "] on the CPU as the stack's "
               "weights, got ", x_in.scalar_type(), " ", shape_str(x_in), " on ", x_in.device());
   const int64_t T = x_in.size(0);
-  const int64_t most = layers_[0].qkv_format ? kQuantStackMaxT : kSkinnyMaxT;
+  const int64_t most = max_tokens();
   TORCH_CHECK(T <= most, "DecoderStack runs up to ", most, " tokens a call, got ", T,
               " (run the model's own forward for more)");
   const StackShape s{T, hidden_, num_heads_, num_kv_heads_, head_dim_,

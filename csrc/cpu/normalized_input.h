@@ -10,10 +10,14 @@
 
 namespace orca {
 
-// The input rows normalized: up to kSkinnyMaxT rows on this thread (orca/cpu/norm.h), more
+// The most rows normalized on the calling thread with the DecoderStack's row kernels, so that a
+// stack's results (up to this many tokens) equal the per-op path's bit for bit.
+constexpr int64_t kRowNormMaxT = 64;
+
+// The input rows normalized: up to kRowNormMaxT rows on this thread (orca/cpu/norm.h), more
 // through ATen's ops.
 inline at::Tensor normalized_input(const at::Tensor& x, const InputNorm& norm) {
-  if (x.size(0) > kSkinnyMaxT) return normalize_rows(x, norm);
+  if (x.size(0) > kRowNormMaxT) return normalize_rows(x, norm);
   at::Tensor y = at::empty_like(x);
   const at::Tensor w = norm.weight->contiguous();
   const at::Tensor b = norm.bias ? norm.bias->contiguous() : at::Tensor();
