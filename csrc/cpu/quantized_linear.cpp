@@ -30,8 +30,8 @@ using cpu::quant::Isa;
 // The most tokens the dot kernels take, per dtype of x: where they stopped beating the panels'
 // GEMM at SmolLM2-135M's shapes (bfloat16's GEMM, on AMX where the CPU has it, wins sooner).
 constexpr int64_t kDotMaxTFloat = 24, kDotMaxTBf16 = 16;
-// The most tokens kAmxInt8's tile kernels take (int8 activations) for bfloat16 x, where the
-// panels' bfloat16 GEMM (AMX in oneDNN) overtakes them; float32 x's GEMM never does.
+// The most tokens kAmxInt8's tile kernels take for bfloat16 x, where the panels' bfloat16 GEMM
+// (AMX in oneDNN) overtakes them; float32 x's GEMM never does.
 constexpr int64_t kAmxMaxTBf16 = 64;
 constexpr int64_t kPanelBytes = 1024 * 1024;  // per thread: a dequantized panel, half an L2
 

@@ -11,7 +11,8 @@
 namespace orca::cpu::quant {
 
 // kAvx512Vnni: kAvx512 with int8 activations for the dot kernels of a few tokens (quant_vnni.h);
-// kAmxInt8: kAvx512Vnni with AMX-INT8 tile products on int8 activations for more (quant_amx.h).
+// kAmxInt8: kAvx512Vnni with AMX-INT8 tile products for more, on the activations split into two
+// int8 parts per block (quant_amx.h).
 enum class Isa { kPortable, kAvx2, kAvx512, kAvx512Vnni, kAmxInt8 };
 
 // The paths by the names ORCA_QUANT_ISA takes.
@@ -43,10 +44,10 @@ void quantize_activations(Format format, const float* x, int64_t T, int64_t K, v
 void dot_rows_int8(Format format, const void* x_int8, int64_t T, int64_t K, const uint8_t* w,
                    int64_t rows, float* y, int64_t y_stride);
 
-// kAmxInt8's tile kernels: T tokens are rounded to int8 blocks as for quantize_activations, in
-// groups of amx_group_tokens(T) tokens (4 to 16) laid out as the tiles read them: the bytes of
-// T tokens, the first T tokens of x [T, K] (K a multiple of 32) rounded into groups of G
-// (amx_activation_bytes(G, K) bytes each, the last one padded), and all T tokens' dot products
+// kAmxInt8's tile kernels: T tokens are split into two int8 parts per block, in groups of
+// amx_group_tokens(T) tokens (4 to 16) laid out as the tiles read them. The bytes of T tokens;
+// the first T tokens of x [T, K] (K a multiple of 32) split into groups of G
+// (amx_activation_bytes(G, K) bytes each, the last one padded); all T tokens' dot products
 // against `rows` rows of w on the groups of amx_group_tokens(T).
 int64_t amx_group_tokens(int64_t T);
 int64_t amx_activation_bytes(int64_t T, int64_t K);
