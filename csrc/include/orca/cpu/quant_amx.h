@@ -2,7 +2,7 @@
 // activations split into two int8 parts per 32-value block: hi = nearest-even(x / dx) with
 // dx = max |x| / 127 (the VNNI path's rounding, quant_vnni.h), then the remainder's
 // lo = nearest-even((x - hi dx) / dx_lo) with dx_lo = dx / 254, so x = hi dx + lo dx_lo + e
-// with |e| <= dx / 508 = max |x| / 64516: about 16 bits of each block, finer than bfloat16.
+// with |e| <= dx / 508 = max |x| / 64516: about 15 bits of each block, finer than bfloat16.
 // Each block of up to 16 tokens by 16 weight rows by 32 values takes two tile products (hi and
 // lo), exact in int32, scaled to float by the block's activation and weight scales and summed
 // over the blocks in registers. A weight's block scale changes every 32 values, so a tile
@@ -33,7 +33,7 @@ constexpr int kTile = 16;  // the most tokens, and the weight rows, of a tile pr
 // The tokens of each group for a call of T tokens: the groups (ceil(T / 16) of them) evenly
 // filled, rounded up to a multiple of 4; the last group is padded with zero tokens.
 constexpr int64_t group_tokens(int64_t T) {
-  const int64_t groups = (T + kTile - 1) / kTile;
+  const int64_t groups = std::max<int64_t>(1, (T + kTile - 1) / kTile);
   return std::max<int64_t>(4, ((T + groups - 1) / groups + 3) / 4 * 4);
 }
 constexpr int64_t token_groups(int64_t T) { return (T + group_tokens(T) - 1) / group_tokens(T); }
@@ -112,13 +112,11 @@ inline void quantize_activations(Format f, const float* x, int64_t T, int64_t K,
   }
 }
 
-// The tile product pipeline keeps two blocks in flight, so that a block's products are ready
-// when they are scaled: stage s's C tiles 2s (hi) and 2s + 1 (lo), G rows of 16 int32, and its
-// B tile 6 + s (8 rows of 64 bytes); the A tiles 4 (hi) and 5 (lo), G rows of 32 bytes.
-constexpr int kStages = 2;
-
-// Loaded at each call: other code on the thread (oneDNN's AMX GEMMs, the attention's tiles) may
-// have configured the tiles otherwise.
+// The tiles of group_product's pipeline, which keeps two blocks in flight so that a block's
+// products are ready when they are scaled: stage s's C tiles 2s (hi) and 2s + 1 (lo), G rows of
+// 16 int32, and its B tile 6 + s (8 rows of 64 bytes); the A tiles 4 (hi) and 5 (lo), G rows of
+// 32 bytes. Loaded at each call: other code on the thread (oneDNN's AMX GEMMs, the attention's
+// tiles) may have configured the tiles otherwise.
 inline void configure_tiles(int64_t G) {
   struct alignas(64) Config {
     uint8_t palette, start_row, reserved[14];
@@ -202,6 +200,7 @@ inline void load_rows(const uint8_t* const (&rows)[kTile], int64_t offset, __m51
   }
 }
 
+// The group of 16 weight rows from w (`rows` of them real, the others zero) laid out in scratch.
 template <Format F>
 inline RowGroup prepare_rows(const uint8_t* w, int64_t K, int64_t rows,
                              std::vector<uint8_t>& scratch) {
