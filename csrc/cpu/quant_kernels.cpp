@@ -20,11 +20,6 @@
 #include "orca/cpu/quant_portable.h"
 #include "orca/cpu/quant_vnni.h"
 
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
 namespace orca::cpu::quant {
 namespace {
 
@@ -43,22 +38,9 @@ void dispatch_format(Format format, const Fn& f) {
 bool isa_supported(Isa isa) {
   __builtin_cpu_init();  // idempotent: the feature bits are valid even before libgcc set them
   switch (isa) {
-    case Isa::kAmxInt8: {
-      if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8") ||
-          !isa_supported(Isa::kAvx512Vnni)) {
-        return false;
-      }
-#if defined(__linux__)
-      // Linux hands out tile data on request (arch_prctl ARCH_REQ_XCOMP_PERM), per process.
-      static const bool granted = [] {
-        constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-        return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-      }();
-      return granted;
-#else
-      return false;
-#endif
-    }
+    case Isa::kAmxInt8:
+      return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") &&
+             isa_supported(Isa::kAvx512Vnni) && cpu::amx::tile_data_granted();
     case Isa::kAvx512Vnni:
       return __builtin_cpu_supports("avx512vnni") && isa_supported(Isa::kAvx512);
     case Isa::kAvx512:

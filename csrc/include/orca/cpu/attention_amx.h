@@ -7,28 +7,21 @@
 
 #include <cstdint>
 
+#include "orca/cpu/amx_tiles.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define ORCA_ATTENTION_AMX 1
 #include <immintrin.h>
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 #endif
 
 namespace orca::cpu::amx {
 
-// Whether this CPU has AMX-BF16 and the OS lets the process use tile data: Linux grants it on
-// request (arch_prctl ARCH_REQ_XCOMP_PERM), asked once; a refusal leaves the other paths.
+// Whether this build has the AMX attention, the CPU AMX-BF16, and the OS grants tile data.
 inline bool usable() {
-#if defined(ORCA_ATTENTION_AMX) && defined(__linux__)
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
+#if defined(ORCA_ATTENTION_AMX)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+         tile_data_granted();
 #else
   return false;
 #endif
@@ -39,19 +32,12 @@ inline bool usable() {
 // All 8 tiles as 16 rows of 64 bytes (palette 1). Loaded at each item: other code on the
 // thread (oneDNN's AMX GEMMs) may have configured the tiles otherwise.
 inline void configure_tiles() {
-  struct alignas(64) Config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-  } config{};
-  config.palette = 1;
+  TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.colsb[t] = 64;
     config.rows[t] = 16;
   }
-  // ldtilecfg on the whole struct as a memory operand: GCC 12's _tile_loadconfig names only
-  // its first 8 bytes, so the stores of colsb and rows could be dropped as dead.
-  asm volatile("ldtilecfg %0" ::"m"(config));
+  load_tile_config(config);
 }
 
 // One block of C += A . B over `steps` K-steps of 32 bf16: kNA row tiles of A (a0, a1: each

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <vector>
 
+#include "orca/cpu/amx_tiles.h"
 #include "orca/cpu/quant_formats.h"
 
 #pragma GCC push_options
@@ -118,12 +119,7 @@ inline void quantize_activations(Format f, const float* x, int64_t T, int64_t K,
 // 32 bytes. Loaded at each call: other code on the thread (oneDNN's AMX GEMMs, the attention's
 // tiles) may have configured the tiles otherwise.
 inline void configure_tiles(int64_t G) {
-  struct alignas(64) Config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-  } config{};
-  config.palette = 1;
+  cpu::amx::TileConfig config;
   for (int t = 0; t < 4; ++t) {
     config.colsb[t] = 4 * kTile;
     config.rows[t] = static_cast<uint8_t>(G);
@@ -134,9 +130,7 @@ inline void configure_tiles(int64_t G) {
     config.colsb[6 + t] = 4 * kTile;
     config.rows[6 + t] = kBlockSize / 4;
   }
-  // ldtilecfg on the whole struct as a memory operand: GCC 12's _tile_loadconfig names only its
-  // first 8 bytes, so the stores of colsb and rows could be dropped as dead.
-  asm volatile("ldtilecfg %0" ::"m"(config));
+  cpu::amx::load_tile_config(config);
 }
 
 // The tile instructions with the tile as a template argument (GCC's intrinsics take literals).
