@@ -166,6 +166,7 @@ for d in glob.glob(os.path.join(p, '*')) if os.path.isdir(os.path.join(d, 'inclu
       csrc/cuda/kernels.cu
       csrc/cuda/packed_linear.cpp
       csrc/cuda/ragged_attention.cpp
+      csrc/cuda/rms_norm.cpp
       csrc/cuda/store_kv.cpp)
     # Toolkit headers first; the pip packages fill in what the toolkit lacks (cuBLAS etc.).
     target_include_directories(_C SYSTEM PRIVATE ${CUDAToolkit_INCLUDE_DIRS}

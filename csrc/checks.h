@@ -51,6 +51,27 @@ inline void check_contiguous(const at::Tensor& t, const char* name) {
               c10::str(t.strides()), ")");
 }
 
+// rms_norm's inputs: x [..., K] of a float dtype, weight [K], the residual shaped as x.
+inline void check_rms_norm_inputs(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                  const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() >= 1, "x must have at least one dimension ([..., K]), got a scalar");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                  x.scalar_type() == at::kHalf,
+              "x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  check_dim(weight, "weight", 1, "[K]");
+  check_same_dtype(weight, "weight", x, "x");
+  check_same_device(weight, "weight", x, "x");
+  TORCH_CHECK(weight.size(0) == x.size(-1), "weight has ", weight.size(0),
+              " entries but x's last dimension is ", x.size(-1), " (x ", shape_str(x), ")");
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
+  if (residual) {
+    check_same_dtype(*residual, "residual", x, "x");
+    check_same_device(*residual, "residual", x, "x");
+    TORCH_CHECK(residual->sizes() == x.sizes(), "residual must have x's shape ", shape_str(x),
+                ", got ", shape_str(*residual));
+  }
+}
+
 // Shapes and dtypes of ragged_attention's inputs; value checks (block ids, monotone offsets)
 // need the metadata on the host and are done by the CPU launcher only.
 struct AttentionShape {
@@ -131,6 +152,9 @@ inline void check_store_kv_inputs(const at::Tensor& key, const at::Tensor& value
 }
 
 enum class Activation { kNone, kGeluTanh, kRelu, kSiluAndMul };
+
+// Whether the activation halves the output (gate rows, then up rows).
+inline bool gated(Activation act) { return act == Activation::kSiluAndMul; }
 
 inline Activation parse_activation(c10::string_view name) {
   if (name == "none") return Activation::kNone;

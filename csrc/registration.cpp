@@ -19,25 +19,16 @@ TORCH_LIBRARY(orca, m) {
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()");
   m.def("ragged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_q_lens, "
-        "Tensor context_lens, Tensor block_table, float scale) -> Tensor");
+        "Tensor context_lens, Tensor block_table, float scale, int window=0) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual=None) -> Tensor");
   // A model's decoder blocks prepared once for decode steps on the CPU (cpu/decoder_stack.h).
   m.class_<orca::DecoderStack>("DecoderStack")
       .def(torch::init<std::string, double, std::string, int64_t, int64_t, int64_t>(), "",
            {torch::arg("norm"), torch::arg("norm_eps"), torch::arg("activation"),
             torch::arg("num_heads"), torch::arg("num_kv_heads"), torch::arg("head_dim")})
       .def("add_layer", &orca::DecoderStack::add_layer, "",
-           {torch::arg("attn_norm_weight"), torch::arg("attn_norm_bias"),
-            torch::arg("qkv_weight"), torch::arg("qkv_bias"), torch::arg("out_weight"),
-            torch::arg("out_bias"), torch::arg("mlp_norm_weight"), torch::arg("mlp_norm_bias"),
-            torch::arg("up_weight"), torch::arg("up_bias"), torch::arg("down_weight"),
-            torch::arg("down_bias"), torch::arg("scale")})
-      .def("add_quantized_layer", &orca::DecoderStack::add_quantized_layer, "",
-           {torch::arg("attn_norm_weight"), torch::arg("attn_norm_bias"),
-            torch::arg("qkv_weight"), torch::arg("qkv_format"), torch::arg("qkv_bias"),
-            torch::arg("out_weight"), torch::arg("out_format"), torch::arg("out_bias"),
-            torch::arg("mlp_norm_weight"), torch::arg("mlp_norm_bias"), torch::arg("up_weight"),
-            torch::arg("up_format"), torch::arg("up_bias"), torch::arg("down_weight"),
-            torch::arg("down_format"), torch::arg("down_bias"), torch::arg("scale")})
+           {torch::arg("weights"), torch::arg("formats"), torch::arg("scale"),
+            torch::arg("window"), torch::arg("rotary")})
       .def("forward", &orca::DecoderStack::forward, "",
            {torch::arg("x"), torch::arg("k_caches"), torch::arg("v_caches"),
             torch::arg("cu_q_lens"), torch::arg("context_lens"), torch::arg("block_table"),

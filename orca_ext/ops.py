@@ -51,7 +51,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cu_q_lens: torch.Tensor, context_lens: torch.Tensor,
-                     block_table: torch.Tensor, scale: float) -> torch.Tensor:
+                     block_table: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     """Split-and-merge causal attention of packed queries ``q [T, Hq, D]`` over paged KV.
 
     Request ``r`` owns query rows ``cu_q_lens[r]:cu_q_lens[r+1]``; its query ``i`` sits at
@@ -64,7 +64,21 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``ORCA_ATTENTION_ISA=portable|avx512bf16|amx`` forces one.
     """
     return torch.ops.orca.ragged_attention(q, k_cache, v_cache, cu_q_lens, context_lens,
-                                           block_table, scale)
+                                           block_table, scale, window)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Llama's RMSNorm over the last dim of ``x [..., K]``: normalized in float32, rounded to
+    the dtype, scaled by ``weight [K]`` (and rounded); with ``residual`` (``x``'s shape),
+    ``residual + norm(x)``, the sum rounded once more. On CPU it is the row kernel of the fused
+    linears' input norms and of the DecoderStack, so the per-op blocks match the stack's bits."""
+    return torch.ops.orca.rms_norm(x, weight, eps, residual)
+
+
+@torch.library.register_fake("orca::rms_norm")
+def _rms_norm_fake(x, weight, eps, residual=None):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("orca::packed_linear")
@@ -85,7 +99,8 @@ def _store_kv_fake(key, value, k_cache, v_cache, slot_mapping):
 
 
 @torch.library.register_fake("orca::ragged_attention")
-def _ragged_attention_fake(q, k_cache, v_cache, cu_q_lens, context_lens, block_table, scale):
+def _ragged_attention_fake(q, k_cache, v_cache, cu_q_lens, context_lens, block_table, scale,
+                           window=0):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

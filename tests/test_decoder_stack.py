@@ -8,7 +8,7 @@ import torch
 
 from orca_ext.kv import KVCache, SlotAllocator
 from orca_ext.model import load_model
-from orca_ext.model.gpt2 import GPT2
+from orca_ext.model.decoder import Decoder
 from orca_ext.model.layers import AttentionMetadata, Linear
 from orca_ext.runner.decoder_stack import build_decoder_stack, stack_forward, unsupported_reason
 from tiny_models import SPECS, VOCAB, make_hf_model, save_hf_model
@@ -85,7 +85,7 @@ def test_stack_applies_to_plain_models_only(model_folder):
         pass
 
     model.__class__ = Subclass  # e.g. a wrapper that changes forward
-    assert "is not a GPT-2 or Llama model" in unsupported_reason(model)
+    assert "is not a plain Decoder" in unsupported_reason(model)
     with pytest.raises(ValueError, match="no DecoderStack for this model"):
         build_decoder_stack(model)
     model.__class__ = Subclass.__bases__[0]
@@ -95,23 +95,29 @@ def test_stack_applies_to_plain_models_only(model_folder):
 
     linear = next(m for m in model.layers[-1].mlp.modules() if isinstance(m, Linear))
     linear.__class__ = ShardedLinear  # a Linear whose forward may do anything
-    assert "MLP up linears are not plain Linear layers" in unsupported_reason(model)
+    assert "MLP up linears are not plain or quantized Linear" in unsupported_reason(model)
     linear.__class__ = Linear
 
 
 HIDDEN, HEADS, HEAD_DIM = 32, 2, 16
 
 
-def layer_args(**change) -> dict:
-    """add_layer's arguments for a GPT-2-shaped block (hidden 32, 2 heads)."""
-    args = dict(attn_norm_weight=torch.rand(HIDDEN), attn_norm_bias=torch.randn(HIDDEN),
-                qkv_weight=torch.randn(3 * HIDDEN, HIDDEN), qkv_bias=None,
-                out_weight=torch.randn(HIDDEN, HIDDEN), out_bias=None,
-                mlp_norm_weight=torch.rand(HIDDEN), mlp_norm_bias=torch.randn(HIDDEN),
-                up_weight=torch.randn(4 * HIDDEN, HIDDEN), up_bias=None,
-                down_weight=torch.randn(HIDDEN, 4 * HIDDEN), down_bias=None, scale=0.25)
-    args.update(change)
-    return args
+def layer_args(**change) -> tuple:
+    """add_layer's arguments for a GPT-2-shaped block (hidden 32, 2 heads): a weight set to None
+    is left out; scale, window and rotary are the layer's settings."""
+    weights = dict(attn_norm=torch.rand(HIDDEN), attn_norm_bias=torch.randn(HIDDEN),
+                   qkv=torch.randn(3 * HIDDEN, HIDDEN), out=torch.randn(HIDDEN, HIDDEN),
+                   mlp_norm=torch.rand(HIDDEN), mlp_norm_bias=torch.randn(HIDDEN),
+                   up=torch.randn(4 * HIDDEN, HIDDEN), down=torch.randn(HIDDEN, 4 * HIDDEN))
+    settings = dict(formats={}, scale=0.25, window=0, rotary=0)
+    for name, value in change.items():
+        if name in settings:
+            settings[name] = value
+        elif value is None:
+            weights.pop(name)
+        else:
+            weights[name] = value
+    return weights, *settings.values()
 
 
 def small_stack(num_layers: int = 1, **config):
@@ -120,7 +126,7 @@ def small_stack(num_layers: int = 1, **config):
                     num_kv_heads=HEADS, head_dim=HEAD_DIM) | config
     stack = torch.classes.orca.DecoderStack(*settings.values())
     for _ in range(num_layers):
-        stack.add_layer(*layer_args().values())
+        stack.add_layer(*layer_args())
     return stack
 
 
@@ -154,42 +160,53 @@ def test_config_errors_name_the_bad_argument(change, message):
 
 @pytest.mark.parametrize("change,message", [
     (dict(scale=-1.0), "scale must be a finite positive number, got -1"),
-    (dict(qkv_weight=torch.randn(90, 32)), "qkv_weight must have (num_heads + 2 * num_kv_heads)"),
-    (dict(down_weight=torch.randn(32, 100)),
+    (dict(window=-2), "window must be >= 0 (0: no window), got -2"),
+    (dict(rotary=-1), "rotary must be >= 0"),
+    (dict(qkv=torch.randn(90, 32)), "layer 0's qkv must have (num_heads + 2 * num_kv_heads)"),
+    (dict(down=torch.randn(32, 100)),
      "layer 0's down linear: weight is [32, 100] but x is [1, 128]"),
     (dict(qkv_bias=torch.zeros(95)),
      "layer 0's qkv linear: bias has 95 entries but weight has N = 96"),
-    (dict(attn_norm_weight=torch.rand(31)), "layer 0's qkv linear: norm_weight has 31 entries"),
-    (dict(out_weight=torch.randn(32, 32, dtype=torch.bfloat16)),
-     "layer 0's out_weight is BFloat16 on cpu; the stack's tensors must be Float on the CPU"),
-    (dict(qkv_weight=torch.randn(96)), "qkv_weight must be 2-D"),
+    (dict(mlp_norm=torch.rand(31)), "layer 0's up linear: norm_weight has 31 entries"),
+    (dict(out=torch.randn(32, 32, dtype=torch.bfloat16)),
+     "layer 0's out is BFloat16 on cpu; the stack's tensors must be Float"),
+    (dict(qkv=torch.randn(96)), "layer 0's qkv linear: weight must be 2-D"),
+    (dict(up=None), "layer 0 lacks the weight 'up'"),
+    (dict(up_proj=torch.randn(4)), "layer 0: unknown weight 'up_proj'"),
+    (dict(formats={"gate": "q8_0"}), "formats names 'gate', not one of the linears"),
+    (dict(formats={"qkv": "q3_k"}), "layer 0's qkv linear: format must be one of"),
+    (dict(q_norm=torch.rand(HEAD_DIM)), "has only one of q_norm and k_norm"),
+    (dict(q_norm=torch.rand(8), k_norm=torch.rand(8)), "layer 0's q_norm: weight has 8 entries"),
+    (dict(post_attn_norm=torch.rand(HIDDEN), post_mlp_norm=torch.rand(HIDDEN)),
+     "post norms are RMSNorms, in a stack of rms_norm blocks"),
 ])
 def test_layer_errors_name_the_bad_argument(change, message):
     stack = small_stack(num_layers=0)
     with pytest.raises(RuntimeError, match=re.escape(message)):
-        stack.add_layer(*layer_args(**change).values())
+        stack.add_layer(*layer_args(**change))
     assert stack.num_layers() == 0  # a rejected layer is not added
 
 
 def test_layers_must_agree():
     stack = small_stack(num_layers=1)
-    with pytest.raises(RuntimeError, match="layer 1 has a different set of biases than layer 0"):
-        stack.add_layer(*layer_args(qkv_bias=torch.zeros(96)).values())
+    with pytest.raises(RuntimeError, match="layer 1 has a different set of optional weights"):
+        stack.add_layer(*layer_args(qkv_bias=torch.zeros(96)))
     with pytest.raises(RuntimeError, match="layer 1's MLP width 64 differs from layer 0's 128"):
-        stack.add_layer(*layer_args(up_weight=torch.randn(64, 32),
-                                    down_weight=torch.randn(32, 64)).values())
-    with pytest.raises(RuntimeError, match="layer 1's qkv_weight is BFloat16"):
-        stack.add_layer(*layer_args(qkv_weight=torch.randn(96, 32,
-                                                           dtype=torch.bfloat16)).values())
+        stack.add_layer(*layer_args(up=torch.randn(64, 32), down=torch.randn(32, 64)))
+    with pytest.raises(RuntimeError, match="layer 1's attn_norm is BFloat16"):
+        stack.add_layer(*layer_args(**{name: None if t is None else t.bfloat16()
+                                       for name, t in layer_args()[0].items()}))
 
 
 @pytest.mark.parametrize("change,message", [
     (dict(x=torch.randn(3, 30)), "x must be Float [T, 32] on the CPU"),
     (dict(x=torch.randn(9, 32)), "DecoderStack runs up to 8 tokens a call, got 9"),
     (dict(k_caches=[]), "k_caches and v_caches must hold one cache per layer (1)"),
-    (dict(rotary_cos=torch.ones(3, 8)), "rotary_cos and rotary_sin must be given together"),
-    (dict(rotary_cos=torch.ones(3, 4), rotary_sin=torch.ones(3, 4)),
-     "rotary_cos must be [T, head_dim / 2] = [3, 8], got [3, 4]"),
+    (dict(rotary_cos=torch.ones(1, 3, 8)), "rotary_cos and rotary_sin must be given together"),
+    (dict(rotary_cos=torch.ones(1, 3, 9), rotary_sin=torch.ones(1, 3, 9)),
+     "rotary_cos must be [num_tables >= 1, T = 3, rotary_dim / 2 <= head_dim / 2 = 8], got "
+     "[1, 3, 9]"),
+    (dict(rotary_cos=torch.ones(3, 8), rotary_sin=torch.ones(3, 8)), "rotary_cos must be 3-D"),
     (dict(context_lens=torch.full((3,), 40, dtype=torch.int32)), "needs 10 blocks of 4"),
     (dict(slot_mapping=torch.arange(3, dtype=torch.int32)), "slot_mapping must have dtype Long"),
     (dict(slot_mapping=torch.tensor([0, 32, 1])),
@@ -215,7 +232,7 @@ def test_empty_batch_returns_a_copy_of_the_input():
 
 def test_builtin_model_uses_the_stack():
     model = load_model("orca-tiny").model
-    assert isinstance(model, GPT2) and unsupported_reason(model) is None
+    assert type(model) is Decoder and unsupported_reason(model) is None
     assert build_decoder_stack(model).num_layers() == model.config.num_layers
 
 

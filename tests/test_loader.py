@@ -137,7 +137,8 @@ def test_config_variants():
     base = dict(architectures=["MistralForCausalLM"], vocab_size=10, hidden_size=8,
                 intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                 max_position_embeddings=4096, sliding_window=1024)
-    assert ModelConfig.from_hf(base).max_model_len == 1024
+    mistral = ModelConfig.from_hf(base)  # the window is honoured, not a cap on the context
+    assert mistral.max_model_len == 4096 and mistral.layer_window(0) == 1024
     legacy = dict(base, architectures=["LlamaForCausalLM"], rope_theta=500000.0,
                   rope_scaling={"type": "linear", "factor": 4.0})
     config = ModelConfig.from_hf(legacy)
@@ -146,8 +147,8 @@ def test_config_variants():
     assert config.max_model_len == 4096 and config.num_kv_heads == 2
     with pytest.raises(ValueError, match="rope type 'yarn'"):
         ModelConfig.from_hf(dict(base, rope_parameters={"rope_type": "yarn", "factor": 2.0}))
-    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
-        ModelConfig.from_hf(dict(base, hidden_act="gelu"))
+    with pytest.raises(ValueError, match="hidden_act 'relu'"):
+        ModelConfig.from_hf(dict(base, hidden_act="relu"))
     with pytest.raises(ValueError, match="lacks the key 'hidden_size'"):
         ModelConfig.from_hf({k: v for k, v in base.items() if k != "hidden_size"})
 

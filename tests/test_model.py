@@ -272,9 +272,10 @@ def test_runner_logs_how_steps_run(caplog):
         ModelRunner(loaded.model, cache)
         runner = ModelRunner(Wrapped(loaded.model), cache)
     assert runner.stack is None
-    assert "steps of up to 8 tokens run GPT2's 8 blocks as one DecoderStack" in caplog.text
-    assert ("every step runs Wrapped's own forward (no DecoderStack: Wrapped is not a GPT-2 or "
-            "Llama model" in caplog.text)
+    assert ("steps of up to 8 tokens run GPT2LMHeadModel's 8 blocks as one DecoderStack"
+            in caplog.text)
+    assert ("every step runs Wrapped's own forward (no DecoderStack: Wrapped is not a plain "
+            "Decoder" in caplog.text)
     allocator = SlotAllocator(8, 4)
     allocator.allocate(0, 6)
     out = runner.execute(ScriptedBatches(allocator).batch([(0, [1, 2, 3], 0, GREEDY, 3, True)]))
@@ -312,7 +313,7 @@ def test_cpu_weights_share_one_huge_page_aligned_buffer_in_forward_order():
     assert params[0].data_ptr() % (2 << 20) == 0
     for a, b in zip(params, params[1:]):
         assert a.data_ptr() + a.nbytes <= b.data_ptr()
-    assert model.lm_head.weight is model.wte.weight
+    assert model.lm_head.weight is model.embed.weight
 
 
 def test_inner_layers_refuse_forward_hooks():

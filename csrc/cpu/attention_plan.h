@@ -87,7 +87,7 @@ inline double longest_thread(const std::vector<Group>& groups, const std::vector
 
 // wide_items: long requests' prefill items take up to cpu::kMaxAmxRows rows (the AMX kernels).
 inline Plan make_plan(const AttentionShape& s, const int32_t* cu, const int32_t* ctx,
-                      bool wide_items = false) {
+                      bool wide_items = false, int64_t window = 0) {
   const int64_t G = s.num_q_heads / s.num_kv_heads;
   std::vector<Group> groups;
   double total = 0;

@@ -1,14 +1,16 @@
-// DecoderStack on CPU: a stack of pre-norm transformer blocks (GPT-2 and Llama shaped) in
-// one call. Each block: qkv = linear(norm(x)); rotary on q and k; store_kv; attention;
-// x += linear(attention); x += linear(act(linear(norm(x)))).
+// DecoderStack on CPU: a model's decoder blocks (orca_ext/model/decoder.py's block) in one call.
+// Each block: qkv = linear(norm(x)); QK norms; rotary on q and k; store_kv; attention (within
+// the layer's window); x += [post_norm](linear(attention)); x += [post_norm](linear(act(linear(
+// norm(x))))).
 //
 // Up to kSkinnyMaxT tokens (decode at small batch; kQuantStackMaxT for GGUF blocks, whose dot
 // kernels take any number of tokens, on amx_int8) the whole stack runs in ONE parallel region:
 // each linear's blocks split across the threads as packed_linear's skinny path splits them,
-// the attention's work items (the same plan for every layer) handed out dynamically, and a
-// barrier wherever a step needs the previous one's whole output, so a step pays one dispatch
-// and one fork-join instead of one per op. The kernels, their work split and their rounding are
-// packed_linear's and ragged_attention's, so the results are the per-op blocks' bit for bit.
+// the attention's work items (one plan per distinct window, shared by the layers) handed out
+// dynamically, and a barrier wherever a step needs the previous one's whole output, so a step
+// pays one dispatch and one fork-join instead of one per op. The kernels, their work split and
+// their rounding are packed_linear's, rms_norm's and ragged_attention's, so the results are the
+// per-op blocks' bit for bit.
 #include "decoder_stack.h"
 
 #include <ATen/Parallel.h>
@@ -38,14 +40,15 @@ struct StackShape {
   cpu::AttentionIsa attention_isa;  // the attention's (chosen_attention_isa, once per call)
 };
 
-// q and k heads of qkv rows [T, stride] rotated in place (neox rotate-half), by cos / sin
-// [T, D / 2]: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) over each head's halves. Each
-// product and sum is rounded to scalar_t as the models' apply_rotary (torch ops) rounds it, so
-// the results are the same bits; `volatile` keeps the compiler from fusing them into FMAs.
+// The first `rot` dims of the q and k heads of qkv rows [T, stride] rotated in place (neox
+// rotate-half over those dims), by cos / sin [T, rot / 2]: (x1, x2) -> (x1 cos - x2 sin,
+// x2 cos + x1 sin). Each product and sum is rounded to scalar_t as the models' apply_rotary
+// (torch ops) rounds it, so the results are the same bits; `volatile` keeps the compiler from
+// fusing them into FMAs.
 template <typename scalar_t>
 void rotate_rows(scalar_t* qkv, int64_t begin, int64_t end, int64_t stride, int64_t heads,
-                 int64_t D, const scalar_t* cos, const scalar_t* sin) {
-  const int64_t half = D / 2;
+                 int64_t D, int64_t rot, const scalar_t* cos, const scalar_t* sin) {
+  const int64_t half = rot / 2;
   const auto rounded = [](float v) -> float {
     volatile float r = static_cast<float>(static_cast<scalar_t>(v));
     return r;
@@ -105,15 +108,13 @@ void dispatch_activation(Activation act, const Fn& f) {
   }
 }
 
-// One linear of the stack: its input rows [T, K], its weight (GGUF blocks where format is set),
-// its epilogue's bias and residual, and its output [T, N].
+// One linear of the stack: its input rows [T, K], its weights, its epilogue's residual, and
+// its output [T, N].
 template <typename scalar_t>
 struct LinearStep {
   const scalar_t* rows;
   int64_t K;
-  const at::Tensor& weight;
-  std::optional<cpu::quant::Format> format;
-  const std::optional<at::Tensor>& bias;
+  const DecoderStack::Linear& linear;
   const scalar_t* residual;
   scalar_t* out;
   int64_t N;
@@ -132,22 +133,24 @@ void linear_share(const StackShape& s, Activation act, const LinearStep<scalar_t
   const int64_t chunk = ceil_div(blocks, workers);
   const int64_t begin = tid * chunk, end = std::min(blocks, begin + chunk);
   if (begin >= end) return;
-  const scalar_t* b = step.bias ? step.bias->template data_ptr<scalar_t>() : nullptr;
-  if (step.format) {
+  const auto& bias = step.linear.bias;
+  const scalar_t* b = bias ? bias->template data_ptr<scalar_t>() : nullptr;
+  if (step.linear.format) {
     // As quantized_linear: the rows as float32, rounded to int8 blocks for the int8 kernels.
     for (int64_t i = 0; i < T * K; ++i) floats[i] = static_cast<float>(step.rows[i]);
     const Int8Path path = int8_path(s.isa, T, true);
-    quantize_for(path, *step.format, floats, T, K, int8);
+    const cpu::quant::Format format = *step.linear.format;
+    quantize_for(path, format, floats, T, K, int8);
     float y[2][kQuantStackMaxT * kSkinnyBlock];
     dispatch_activation(act, [&]<Activation a>() {
-      quant_dot_blocks<scalar_t, a>(s.isa, *step.format, floats, path, int8, T, K,
-                                    step.weight.template data_ptr<uint8_t>(), b, step.residual,
-                                    step.out, N, begin, end, y[0], y[1]);
+      quant_dot_blocks<scalar_t, a>(s.isa, format, floats, path, int8, T, K,
+                                    step.linear.weight.template data_ptr<uint8_t>(), b,
+                                    step.residual, step.out, N, begin, end, y[0], y[1]);
     });
     return;
   }
   const void* x = kernel_input(step.rows, T * K, floats);
-  const scalar_t* w = step.weight.template data_ptr<scalar_t>();
+  const scalar_t* w = step.linear.weight.template data_ptr<scalar_t>();
   dispatch_skinny(T, act, [&]<int kT, Activation a>() {
     skinny_blocks<kT, scalar_t, a>(x, w, K, N, b, step.residual, step.out, begin, end);
   });
@@ -165,40 +168,71 @@ void normalize(const scalar_t* x, const StackShape& s, const at::Tensor& weight,
   }
 }
 
+// Rows [T * tid / nth, T * (tid + 1) / nth) of x += rms_norm(h) (a post norm's add); each row's
+// result does not depend on the split (rms_norm's rows).
+template <typename scalar_t>
+void post_norm_share(scalar_t* x, const scalar_t* h, const StackShape& s, const at::Tensor& weight,
+                     double eps, int tid, int nth) {
+  const int64_t begin = s.T * tid / nth, end = s.T * (tid + 1) / nth;
+  cpu::rms_norm_rows(h + begin * s.hidden, end - begin, s.hidden, weight.data_ptr<scalar_t>(),
+                     static_cast<float>(eps), x + begin * s.hidden, x + begin * s.hidden);
+}
+
+// The step's arguments that every layer shares.
+template <typename scalar_t>
+struct StepArgs {
+  const std::vector<at::Tensor>& k_caches;
+  const std::vector<at::Tensor>& v_caches;
+  const int32_t* cu;
+  const int32_t* ctx;
+  const int32_t* block_table;
+  const int64_t* slots;
+  const scalar_t* rot_cos;  // [R, T, rotary_dim / 2], or null
+  const scalar_t* rot_sin;
+  int64_t rotary_dim;
+};
+
 template <typename scalar_t>
 void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderStack::Layer>& layers,
-                 const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
-                 const at::Tensor& cu_q_lens, const at::Tensor& context_lens,
-                 const at::Tensor& block_table, const at::Tensor& slot_mapping,
-                 const std::optional<at::Tensor>& rotary_cos,
-                 const std::optional<at::Tensor>& rotary_sin, double eps, int64_t step_begin,
-                 int64_t step_end, bool add_residual) {
+                 const StepArgs<scalar_t>& a, const AttentionShape& as, double eps,
+                 int64_t step_begin, int64_t step_end, bool add_residual, bool partial) {
   const int64_t T = s.T, H = s.hidden, D = s.head_dim;
   const int64_t L = static_cast<int64_t>(layers.size());
-  const int32_t* cu = cu_q_lens.data_ptr<int32_t>();
-  const int32_t* ctx = context_lens.data_ptr<int32_t>();
-  const AttentionShape as{T, s.num_heads, s.num_kv_heads, D, k_caches[0].size(0),
-                          k_caches[0].size(1), context_lens.size(0), block_table.size(1)};
-  const Plan plan = make_plan(as, cu, ctx, std::is_same_v<scalar_t, c10::BFloat16> &&
-                                                cpu::amx_head_dim(s.attention_isa, D));
-  const auto items = static_cast<int64_t>(plan.items.size());
-  const auto merges = static_cast<int64_t>(plan.merges.size());
+  // One attention plan per distinct window among the layers run.
+  const bool wide = std::is_same_v<scalar_t, c10::BFloat16> &&
+                    cpu::amx_head_dim(s.attention_isa, D);
+  std::vector<int64_t> windows;
+  std::vector<int64_t> plan_of(L, 0);
+  for (int64_t l = step_begin / 2; l < (step_end + 1) / 2; ++l) {
+    const auto it = std::find(windows.begin(), windows.end(), layers[l].window);
+    plan_of[l] = it - windows.begin();
+    if (it == windows.end()) windows.push_back(layers[l].window);
+  }
+  std::vector<Plan> plans;
+  int64_t partial_rows = 0;
+  for (const int64_t window : windows) {
+    plans.push_back(make_plan(as, a.cu, a.ctx, wide, window));
+    partial_rows = std::max(partial_rows, plans.back().partial_rows);
+  }
   const auto opts = x.options();
   const int64_t widest = std::max({H, s.num_heads * D, s.inter});
   const int nth = at::in_parallel_region() ? 1 : at::get_num_threads();
-  // Shared between the threads: the projections, the attention output and the MLP's middle;
-  // each thread's own: a normalized input and its float32 copy for the kernel.
+  const bool post_norms = layers[0].post_attn_norm.has_value();
+  // Shared between the threads: the projections, the attention output, the MLP's middle and a
+  // post-norm block's linear outputs; each thread's own: a normalized input and its float32 copy
+  // for the kernel.
   at::Tensor qkv = at::empty({T, s.qkv_width}, opts), attn = at::empty({T, s.num_heads * D}, opts),
              mid = at::empty({T, s.inter}, opts);
+  at::Tensor projected = post_norms && !partial ? at::empty({T, H}, opts) : at::Tensor();
   at::Tensor normed = at::empty({nth, T * H}, opts);
   at::Tensor floats = at::empty({nth, T * widest}, opts.dtype(at::kFloat));
   const int64_t int8_bytes = std::max(cpu::quant::int8_activation_bytes(T, widest),
                                       cpu::quant::amx_activation_bytes(T, widest));
   at::Tensor int8 = at::empty({nth, int8_bytes}, opts.dtype(at::kByte));
-  at::Tensor part_o = at::empty({plan.partial_rows, D}, opts.dtype(at::kFloat));
-  at::Tensor part_ml = at::empty({2, plan.partial_rows}, opts.dtype(at::kFloat));
+  at::Tensor part_o = at::empty({partial_rows, D}, opts.dtype(at::kFloat));
+  at::Tensor part_ml = at::empty({2, partial_rows}, opts.dtype(at::kFloat));
   const cpu::Partials part{part_o.data_ptr<float>(), part_ml.data_ptr<float>(),
-                           part_ml.data_ptr<float>() + plan.partial_rows};
+                           part_ml.data_ptr<float>() + partial_rows};
   // Per layer: the next attention item and merge to hand out.
   std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[2 * L]);
   for (int64_t i = 0; i < 2 * L; ++i) next[i] = 0;
@@ -206,9 +240,11 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
   scalar_t* qkv_p = qkv.data_ptr<scalar_t>();
   scalar_t* attn_p = attn.data_ptr<scalar_t>();
   scalar_t* mid_p = mid.data_ptr<scalar_t>();
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const scalar_t* rot_cos = rotary_cos ? rotary_cos->data_ptr<scalar_t>() : nullptr;
-  const scalar_t* rot_sin = rotary_sin ? rotary_sin->data_ptr<scalar_t>() : nullptr;
+  // Where a half-layer's last linear writes: x itself (with the residual, or a tensor-parallel
+  // rank's partial sum), or a buffer that the post norm then adds to x.
+  scalar_t* sum_p = projected.defined() ? projected.template data_ptr<scalar_t>() : xp;
+  scalar_t* residual = add_residual && !post_norms ? xp : nullptr;
+  const int64_t half_rot = a.rotary_dim / 2;
 
   at::internal::lazy_init_num_threads();
 #pragma omp parallel num_threads(nth)
@@ -219,42 +255,55 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
     scalar_t* my_normed = normed.data_ptr<scalar_t>() + tid * T * H;
     float* my_floats = floats.data_ptr<float>() + tid * T * widest;
     uint8_t* my_int8 = int8.data_ptr<uint8_t>() + tid * int8_bytes;
-    // Step 2l is layer l's attention half, 2l + 1 its MLP half; each ends in a linear whose
-    // epilogue adds the residual, or not (a tensor-parallel rank's partial sum).
-    scalar_t* residual = add_residual ? xp : nullptr;
+    // Step 2l is layer l's attention half, 2l + 1 its MLP half.
     for (int64_t step = step_begin; step < step_end; ++step) {
       const int64_t l = step / 2;
       const DecoderStack::Layer& w = layers[l];
       if (step % 2 == 1) {
         normalize(xp, s, w.mlp_norm, w.mlp_norm_bias, eps, my_normed);
-        linear_share<scalar_t>(s, s.act, {my_normed, H, w.up, w.up_format, w.up_bias, nullptr,
-                                          mid_p, s.inter}, my_floats, my_int8, tid, team);
-#pragma omp barrier
-        linear_share<scalar_t>(s, Activation::kNone, {mid_p, s.inter, w.down, w.down_format,
-                                                      w.down_bias, residual, xp, H},
+        linear_share<scalar_t>(s, s.act, {my_normed, H, w.up, nullptr, mid_p, s.inter},
                                my_floats, my_int8, tid, team);
 #pragma omp barrier
+        linear_share<scalar_t>(s, Activation::kNone, {mid_p, s.inter, w.down, residual, sum_p, H},
+                               my_floats, my_int8, tid, team);
+#pragma omp barrier
+        if (projected.defined()) {
+          post_norm_share(xp, sum_p, s, *w.post_mlp_norm, eps, tid, team);
+#pragma omp barrier
+        }
         continue;
       }
       normalize(xp, s, w.attn_norm, w.attn_norm_bias, eps, my_normed);
-      linear_share<scalar_t>(s, Activation::kNone, {my_normed, H, w.qkv, w.qkv_format,
-                                                    w.qkv_bias, nullptr, qkv_p, s.qkv_width},
-                             my_floats, my_int8, tid, team);
+      linear_share<scalar_t>(s, Activation::kNone, {my_normed, H, w.qkv, nullptr, qkv_p,
+                                                    s.qkv_width}, my_floats, my_int8, tid, team);
 #pragma omp barrier
       if (tid == 0) {
-        if (rot_cos) {
-          rotate_rows(qkv_p, 0, T, s.qkv_width, s.num_heads + s.num_kv_heads, D, rot_cos,
-                      rot_sin);
+        if (w.q_norm) {
+          const auto e = static_cast<float>(eps);
+          for (int64_t t = 0; t < T; ++t) {
+            scalar_t* q = qkv_p + t * s.qkv_width;
+            scalar_t* k = q + s.num_heads * D;
+            cpu::rms_norm_rows(q, s.num_heads, D, w.q_norm->data_ptr<scalar_t>(), e, q);
+            cpu::rms_norm_rows(k, s.num_kv_heads, D, w.k_norm->data_ptr<scalar_t>(), e, k);
+          }
         }
-        store_rows(qkv_p, 0, T, s, slots, k_caches[l].data_ptr<scalar_t>(),
-                   v_caches[l].data_ptr<scalar_t>());
+        if (a.rot_cos) {
+          const int64_t table = w.rotary * T * half_rot;
+          rotate_rows(qkv_p, 0, T, s.qkv_width, s.num_heads + s.num_kv_heads, D, a.rotary_dim,
+                      a.rot_cos + table, a.rot_sin + table);
+        }
+        store_rows(qkv_p, 0, T, s, a.slots, a.k_caches[l].template data_ptr<scalar_t>(),
+                   a.v_caches[l].template data_ptr<scalar_t>());
       }
 #pragma omp barrier
+      const Plan& plan = plans[plan_of[l]];
+      const auto items = static_cast<int64_t>(plan.items.size());
+      const auto merges = static_cast<int64_t>(plan.merges.size());
       const cpu::AttentionArgs<scalar_t> args{
-          qkv_p, s.qkv_width, D, k_caches[l].data_ptr<scalar_t>(),
-          v_caches[l].data_ptr<scalar_t>(),
-          attn_p, cu, ctx, block_table.data_ptr<int32_t>(), as.max_blocks, as.block_size,
-          s.num_heads, s.num_kv_heads, D, static_cast<float>(w.scale)};
+          qkv_p, s.qkv_width, D, a.k_caches[l].template data_ptr<scalar_t>(),
+          a.v_caches[l].template data_ptr<scalar_t>(), attn_p, a.cu, a.ctx, a.block_table,
+          as.max_blocks, as.block_size, s.num_heads, s.num_kv_heads, D,
+          static_cast<float>(w.scale), w.window};
       dispatch_attention_isa<scalar_t>(s.attention_isa, [&]<cpu::AttentionIsa kIsa>() {
         dispatch_head_dim(D, [&]<int kD>() {
           for (int64_t i = next[2 * l]++; i < items; i = next[2 * l]++) {
@@ -269,13 +318,32 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
         }
       }
 #pragma omp barrier
-      linear_share<scalar_t>(s, Activation::kNone, {attn_p, s.num_heads * D, w.out,
-                                                    w.out_format, w.out_bias, residual, xp, H},
-                             my_floats, my_int8, tid, team);
+      linear_share<scalar_t>(s, Activation::kNone, {attn_p, s.num_heads * D, w.out, residual,
+                                                    sum_p, H}, my_floats, my_int8, tid, team);
 #pragma omp barrier
+      if (projected.defined()) {
+        post_norm_share(xp, sum_p, s, *w.post_attn_norm, eps, tid, team);
+#pragma omp barrier
+      }
     }
   }
 }
+
+// The tensor named `name` in `weights`, if given.
+std::optional<at::Tensor> optional_weight(const c10::Dict<std::string, at::Tensor>& weights,
+                                          const std::string& name) {
+  const auto it = weights.find(name);
+  return it == weights.end() ? std::nullopt : std::optional(it->value());
+}
+
+std::optional<at::Tensor> contiguous(const std::optional<at::Tensor>& t) {
+  return t ? std::optional(t->contiguous()) : std::nullopt;
+}
+
+constexpr const char* kWeightNames[] = {
+    "attn_norm", "attn_norm_bias", "qkv",      "qkv_bias", "q_norm",         "k_norm",
+    "out",       "out_bias",       "post_attn_norm",       "mlp_norm",       "mlp_norm_bias",
+    "up",        "up_bias",        "down",     "down_bias", "post_mlp_norm"};
 
 }  // namespace
 
@@ -302,155 +370,122 @@ DecoderStack::DecoderStack(std::string norm, double norm_eps, std::string activa
 int64_t DecoderStack::max_tokens() const {
   // amx_int8's tile kernels gain on the per-op path's panels up to kQuantStackMaxT tokens; the
   // float dot kernels, 8 tokens a pass, do not beyond kSkinnyMaxT.
-  const bool quantized = !layers_.empty() && layers_[0].qkv_format.has_value();
+  const bool quantized =
+      !layers_.empty() && std::all_of(layers_.begin(), layers_.end(), [](const Layer& l) {
+        return l.qkv.format && l.out.format && l.up.format && l.down.format;
+      });
   return quantized && chosen_quant_isa() == cpu::quant::Isa::kAmxInt8 ? kQuantStackMaxT
                                                                       : kSkinnyMaxT;
 }
 
-void DecoderStack::add_layer(
-    const at::Tensor& attn_norm_weight, const std::optional<at::Tensor>& attn_norm_bias,
-    const at::Tensor& qkv_weight, const std::optional<at::Tensor>& qkv_bias,
-    const at::Tensor& out_weight, const std::optional<at::Tensor>& out_bias,
-    const at::Tensor& mlp_norm_weight, const std::optional<at::Tensor>& mlp_norm_bias,
-    const at::Tensor& up_weight, const std::optional<at::Tensor>& up_bias,
-    const at::Tensor& down_weight, const std::optional<at::Tensor>& down_bias, double scale) {
+void DecoderStack::add_layer(const c10::Dict<std::string, at::Tensor>& weights,
+                             const c10::Dict<std::string, std::string>& formats, double scale,
+                             int64_t window, int64_t rotary) {
   const int64_t l = num_layers();
-  check_dim(qkv_weight, "qkv_weight", 2, "[(num_heads + 2 * num_kv_heads) * head_dim, hidden]");
-  TORCH_CHECK(qkv_weight.device().is_cpu(), "DecoderStack runs on the CPU; layer ", l,
-              "'s qkv_weight is on ", qkv_weight.device());
-  const int64_t hidden = qkv_weight.size(1);
-  if (l > 0) {
-    TORCH_CHECK(qkv_weight.scalar_type() == dtype_ && hidden == hidden_,
-                "layer ", l, "'s qkv_weight is ", qkv_weight.scalar_type(), " ",
-                shape_str(qkv_weight), "; the stack's layers are ", dtype_, ", ", hidden_,
-                " wide");
+  for (const auto& entry : weights) {
+    const std::string& name = entry.key();
+    TORCH_CHECK(std::find(std::begin(kWeightNames), std::end(kWeightNames), name) !=
+                    std::end(kWeightNames),
+                "layer ", l, ": unknown weight '", name, "' (known: attn_norm, attn_norm_bias, "
+                "qkv, qkv_bias, q_norm, k_norm, out, out_bias, post_attn_norm, mlp_norm, "
+                "mlp_norm_bias, up, up_bias, down, down_bias, post_mlp_norm)");
   }
-  const int64_t qkv_width = (num_heads_ + 2 * num_kv_heads_) * head_dim_;
-  TORCH_CHECK(qkv_weight.size(0) == qkv_width, "layer ", l, "'s qkv_weight must have "
-              "(num_heads + 2 * num_kv_heads) * head_dim = ", qkv_width, " rows, got shape ",
-              shape_str(qkv_weight));
+  for (const auto& entry : formats) {
+    const std::string& name = entry.key();
+    TORCH_CHECK(name == "qkv" || name == "out" || name == "up" || name == "down", "layer ", l,
+                ": formats names '", name, "', not one of the linears qkv, out, up, down");
+  }
+  const auto required = [&](const char* name) {
+    const auto t = optional_weight(weights, name);
+    TORCH_CHECK(t.has_value(), "layer ", l, " lacks the weight '", name, "'");
+    return *t;
+  };
+  const at::Tensor attn_norm = required("attn_norm");
+  check_dim(attn_norm, "attn_norm", 1, "[hidden]");
+  TORCH_CHECK(attn_norm.device().is_cpu(), "DecoderStack runs on the CPU; layer ", l,
+              "'s attn_norm is on ", attn_norm.device());
+  const at::ScalarType dtype = attn_norm.scalar_type();
+  const int64_t hidden = attn_norm.size(0);
+  TORCH_CHECK(l == 0 || (dtype == dtype_ && hidden == hidden_), "layer ", l, "'s attn_norm is ",
+              dtype, " ", shape_str(attn_norm), "; the stack's layers are ", dtype_, ", ", hidden_,
+              " wide");
   TORCH_CHECK(std::isfinite(scale) && scale > 0, "scale must be a finite positive number, got ",
               scale, " for layer ", l);
-  const std::pair<const std::optional<at::Tensor>, const char*> tensors[] = {
-      {attn_norm_weight, "attn_norm_weight"}, {attn_norm_bias, "attn_norm_bias"},
-      {qkv_bias, "qkv_bias"}, {out_weight, "out_weight"}, {out_bias, "out_bias"},
-      {mlp_norm_weight, "mlp_norm_weight"}, {mlp_norm_bias, "mlp_norm_bias"},
-      {up_weight, "up_weight"}, {up_bias, "up_bias"}, {down_weight, "down_weight"},
-      {down_bias, "down_bias"}};
-  for (const auto& [t, name] : tensors) {
-    TORCH_CHECK(!t || (t->scalar_type() == qkv_weight.scalar_type() && t->device().is_cpu()),
-                "layer ", l, "'s ", name, " is ", t->scalar_type(), " on ", t->device(),
-                "; the stack's tensors must be ", qkv_weight.scalar_type(),
-                " on the CPU, as its qkv_weight");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no window), got ", window, " for layer ", l);
+  TORCH_CHECK(rotary >= 0, "rotary must be >= 0 (a rotary table's index), got ", rotary,
+              " for layer ", l);
+  for (const auto& entry : weights) {
+    const at::Tensor& t = entry.value();
+    const bool blocks = formats.contains(entry.key());
+    TORCH_CHECK(t.device().is_cpu() && (blocks || t.scalar_type() == dtype), "layer ", l, "'s ",
+                entry.key(), " is ", t.scalar_type(), " on ", t.device(), "; the stack's tensors "
+                "must be ", dtype, " (GGUF blocks: uint8) on the CPU, as its attn_norm");
   }
-  // Stand-ins of each linear's input, for packed_linear's checks of the weights.
-  const auto opts = qkv_weight.options();
-  const at::Tensor x = at::empty({1, hidden}, opts);
   const std::string norm = norm_ == NormKind::kLayerNorm ? "layer_norm" : "rms_norm";
-  const auto checked = [&](const char* linear, const auto& check) {
+  const auto opts = attn_norm.options();
+  const at::Tensor x = at::empty({1, hidden}, opts);
+  // A linear checked as packed_linear or quantized_linear checks it, given stand-ins of its
+  // input and residual.
+  const auto linear = [&](const char* name, int64_t in_features, const std::string& activation,
+                          const std::optional<at::Tensor>& residual, c10::string_view in_norm,
+                          const std::optional<at::Tensor>& norm_weight,
+                          const std::optional<at::Tensor>& norm_bias) {
+    Linear out{required(name), optional_weight(weights, std::string(name) + "_bias"),
+               std::nullopt};
+    const at::Tensor input = at::empty({1, in_features}, opts);
     try {
-      check();
+      if (formats.contains(name)) {
+        out.format = check_quantized_linear_inputs(input, out.weight, formats.at(name),
+                                                   in_features, out.bias, activation, residual,
+                                                   in_norm, norm_weight, norm_bias, norm_eps_)
+                         .format;
+      } else {
+        check_linear_inputs(input, out.weight, out.bias, activation, residual, in_norm,
+                            norm_weight, norm_bias, norm_eps_);
+      }
     } catch (const c10::Error& e) {
-      TORCH_CHECK(false, "layer ", l, "'s ", linear, " linear: ", e.msg());
+      TORCH_CHECK(false, "layer ", l, "'s ", name, " linear: ", e.msg());
     }
+    out.weight = out.weight.contiguous();
+    out.bias = contiguous(out.bias);
+    return out;
   };
-  checked("qkv", [&] {
-    check_linear_inputs(x, qkv_weight, qkv_bias, "none", std::nullopt, norm, attn_norm_weight,
-                        attn_norm_bias, norm_eps_);
-  });
-  checked("out", [&] {
-    check_linear_inputs(at::empty({1, num_heads_ * head_dim_}, opts), out_weight, out_bias,
-                        "none", x, "none", std::nullopt, std::nullopt, norm_eps_);
-  });
-  checked("up", [&] {
-    check_linear_inputs(x, up_weight, up_bias, activation_name_, std::nullopt, norm,
-                        mlp_norm_weight, mlp_norm_bias, norm_eps_);
-  });
-  const int64_t inter = act_ == Activation::kSiluAndMul ? up_weight.size(0) / 2 : up_weight.size(0);
-  checked("down", [&] {
-    check_linear_inputs(at::empty({1, inter}, opts), down_weight, down_bias, "none", x, "none",
-                        std::nullopt, std::nullopt, norm_eps_);
-  });
-  const auto contiguous = [](const std::optional<at::Tensor>& t) {
-    return t ? std::optional(t->contiguous()) : std::nullopt;
-  };
-  push_layer({attn_norm_weight.contiguous(), qkv_weight.contiguous(), out_weight.contiguous(),
-              mlp_norm_weight.contiguous(), up_weight.contiguous(), down_weight.contiguous(),
-              contiguous(attn_norm_bias), contiguous(qkv_bias), contiguous(out_bias),
-              contiguous(mlp_norm_bias), contiguous(up_bias), contiguous(down_bias), scale},
-             qkv_weight.scalar_type(), hidden, inter);
-}
-
-void DecoderStack::add_quantized_layer(
-    const at::Tensor& attn_norm_weight, const std::optional<at::Tensor>& attn_norm_bias,
-    const at::Tensor& qkv_weight, const std::string& qkv_format,
-    const std::optional<at::Tensor>& qkv_bias, const at::Tensor& out_weight,
-    const std::string& out_format, const std::optional<at::Tensor>& out_bias,
-    const at::Tensor& mlp_norm_weight, const std::optional<at::Tensor>& mlp_norm_bias,
-    const at::Tensor& up_weight, const std::string& up_format,
-    const std::optional<at::Tensor>& up_bias, const at::Tensor& down_weight,
-    const std::string& down_format, const std::optional<at::Tensor>& down_bias, double scale) {
-  const int64_t l = num_layers();
-  check_dim(attn_norm_weight, "attn_norm_weight", 1, "[hidden]");
-  TORCH_CHECK(attn_norm_weight.device().is_cpu(), "DecoderStack runs on the CPU; layer ", l,
-              "'s attn_norm_weight is on ", attn_norm_weight.device());
-  const at::ScalarType dtype = attn_norm_weight.scalar_type();
-  const int64_t hidden = attn_norm_weight.size(0);
-  TORCH_CHECK(l == 0 || (dtype == dtype_ && hidden == hidden_), "layer ", l,
-              "'s attn_norm_weight is ", dtype, " ", shape_str(attn_norm_weight),
-              "; the stack's layers are ", dtype_, ", ", hidden_, " wide");
+  const auto attn_norm_bias = optional_weight(weights, "attn_norm_bias");
+  const auto mlp_norm = required("mlp_norm");
+  const auto mlp_norm_bias = optional_weight(weights, "mlp_norm_bias");
+  Linear qkv = linear("qkv", hidden, "none", std::nullopt, norm, attn_norm, attn_norm_bias);
   const int64_t qkv_width = (num_heads_ + 2 * num_kv_heads_) * head_dim_;
-  check_dim(qkv_weight, "qkv_weight", 2, "[(num_heads + 2 * num_kv_heads) * head_dim, bytes]");
-  TORCH_CHECK(qkv_weight.size(0) == qkv_width, "layer ", l, "'s qkv_weight must have "
-              "(num_heads + 2 * num_kv_heads) * head_dim = ", qkv_width, " rows, got shape ",
-              shape_str(qkv_weight));
-  TORCH_CHECK(std::isfinite(scale) && scale > 0, "scale must be a finite positive number, got ",
-              scale, " for layer ", l);
-  // Stand-ins of each linear's input, for quantized_linear's checks of the weights.
-  const auto opts = attn_norm_weight.options();
-  const at::Tensor x = at::empty({1, hidden}, opts);
-  const std::string norm = norm_ == NormKind::kLayerNorm ? "layer_norm" : "rms_norm";
-  std::optional<cpu::quant::Format> qkv, out, up, down;
-  const auto checked = [&](const char* linear, std::optional<cpu::quant::Format>& format,
-                           const auto& check) {
-    try {
-      format = check().format;
-    } catch (const c10::Error& e) {
-      TORCH_CHECK(false, "layer ", l, "'s ", linear, " linear: ", e.msg());
+  TORCH_CHECK(qkv.weight.size(0) == qkv_width, "layer ", l, "'s qkv must have (num_heads + 2 * "
+              "num_kv_heads) * head_dim = ", qkv_width, " rows, got shape ",
+              shape_str(qkv.weight));
+  Linear out = linear("out", num_heads_ * head_dim_, "none", x, "none", std::nullopt,
+                      std::nullopt);
+  Linear up = linear("up", hidden, activation_name_, std::nullopt, norm, mlp_norm, mlp_norm_bias);
+  const int64_t inter = gated(act_) ? up.weight.size(0) / 2 : up.weight.size(0);
+  Linear down = linear("down", inter, "none", x, "none", std::nullopt, std::nullopt);
+  // The RMSNorms of q / k heads and of the attention / MLP outputs, checked as rms_norm checks.
+  const auto rms_weight = [&](const char* name, int64_t width) {
+    const auto w = optional_weight(weights, name);
+    if (w) {
+      try {
+        check_rms_norm_inputs(at::empty({1, width}, opts), *w, norm_eps_, std::nullopt);
+      } catch (const c10::Error& e) {
+        TORCH_CHECK(false, "layer ", l, "'s ", name, ": ", e.msg());
+      }
     }
+    return contiguous(w);
   };
-  checked("qkv", qkv, [&] {
-    return check_quantized_linear_inputs(x, qkv_weight, qkv_format, hidden, qkv_bias, "none",
-                                         std::nullopt, norm, attn_norm_weight, attn_norm_bias,
-                                         norm_eps_);
-  });
-  checked("out", out, [&] {
-    return check_quantized_linear_inputs(at::empty({1, num_heads_ * head_dim_}, opts), out_weight,
-                                         out_format, num_heads_ * head_dim_, out_bias, "none", x,
-                                         "none", std::nullopt, std::nullopt, norm_eps_);
-  });
-  checked("up", up, [&] {
-    return check_quantized_linear_inputs(x, up_weight, up_format, hidden, up_bias,
-                                         activation_name_, std::nullopt, norm, mlp_norm_weight,
-                                         mlp_norm_bias, norm_eps_);
-  });
-  const int64_t inter = act_ == Activation::kSiluAndMul ? up_weight.size(0) / 2 : up_weight.size(0);
-  checked("down", down, [&] {
-    return check_quantized_linear_inputs(at::empty({1, inter}, opts), down_weight, down_format,
-                                         inter, down_bias, "none", x, "none", std::nullopt,
-                                         std::nullopt, norm_eps_);
-  });
-  const auto contiguous = [](const std::optional<at::Tensor>& t) {
-    return t ? std::optional(t->contiguous()) : std::nullopt;
-  };
-  Layer layer{attn_norm_weight.contiguous(), qkv_weight.contiguous(), out_weight.contiguous(),
-              mlp_norm_weight.contiguous(), up_weight.contiguous(), down_weight.contiguous(),
-              contiguous(attn_norm_bias), contiguous(qkv_bias), contiguous(out_bias),
-              contiguous(mlp_norm_bias), contiguous(up_bias), contiguous(down_bias), scale};
-  layer.qkv_format = qkv;
-  layer.out_format = out;
-  layer.up_format = up;
-  layer.down_format = down;
+  Layer layer{attn_norm.contiguous(), mlp_norm.contiguous(), contiguous(attn_norm_bias),
+              contiguous(mlp_norm_bias), rms_weight("q_norm", head_dim_),
+              rms_weight("k_norm", head_dim_), rms_weight("post_attn_norm", hidden),
+              rms_weight("post_mlp_norm", hidden), std::move(qkv), std::move(out), std::move(up),
+              std::move(down), scale, window, rotary};
+  TORCH_CHECK(layer.q_norm.has_value() == layer.k_norm.has_value(), "layer ", l,
+              " has only one of q_norm and k_norm (give both or neither)");
+  TORCH_CHECK(layer.post_attn_norm.has_value() == layer.post_mlp_norm.has_value(), "layer ", l,
+              " has only one of post_attn_norm and post_mlp_norm (give both or neither)");
+  TORCH_CHECK(!layer.post_attn_norm || norm_ == NormKind::kRmsNorm, "layer ", l,
+              ": post norms are RMSNorms, in a stack of rms_norm blocks");
   push_layer(std::move(layer), dtype, hidden, inter);
 }
 
@@ -461,14 +496,17 @@ void DecoderStack::push_layer(Layer layer, at::ScalarType dtype, int64_t hidden,
   if (l > 0) {
     const Layer& first = layers_[0];
     const std::pair<const std::optional<at::Tensor>*, const std::optional<at::Tensor>*> same[] = {
-        {&layer.attn_norm_bias, &first.attn_norm_bias}, {&layer.qkv_bias, &first.qkv_bias},
-        {&layer.out_bias, &first.out_bias}, {&layer.mlp_norm_bias, &first.mlp_norm_bias},
-        {&layer.up_bias, &first.up_bias}, {&layer.down_bias, &first.down_bias}};
+        {&layer.attn_norm_bias, &first.attn_norm_bias}, {&layer.qkv.bias, &first.qkv.bias},
+        {&layer.out.bias, &first.out.bias}, {&layer.mlp_norm_bias, &first.mlp_norm_bias},
+        {&layer.up.bias, &first.up.bias}, {&layer.down.bias, &first.down.bias},
+        {&layer.q_norm, &first.q_norm}, {&layer.post_attn_norm, &first.post_attn_norm}};
     for (const auto& [mine, theirs] : same) {
       TORCH_CHECK(mine->has_value() == theirs->has_value(), "layer ", l,
-                  " has a different set of biases than layer 0 (every layer must have the same)");
+                  " has a different set of optional weights (biases, QK norms, post norms) than "
+                  "layer 0 (every layer must have the same)");
     }
   }
+  num_rotary_ = std::max(num_rotary_, layer.rotary + 1);
   layers_.push_back(std::move(layer));
   dtype_ = dtype;
   hidden_ = hidden;
@@ -482,7 +520,7 @@ at::Tensor DecoderStack::forward(const at::Tensor& x, const std::vector<at::Tens
                                  const std::optional<at::Tensor>& rotary_cos,
                                  const std::optional<at::Tensor>& rotary_sin) const {
   return run(x, k_caches, v_caches, cu_q_lens, context_lens, block_table, slot_mapping,
-             rotary_cos, rotary_sin, 0, 2 * num_layers(), true);
+             rotary_cos, rotary_sin, 0, 2 * num_layers(), true, false);
 }
 
 at::Tensor DecoderStack::forward_partial(
@@ -494,7 +532,7 @@ at::Tensor DecoderStack::forward_partial(
   TORCH_CHECK(step >= 0 && step < 2 * num_layers(), "step must be in [0, ", 2 * num_layers(),
               ") (2 per layer: attention, then MLP), got ", step);
   return run(x, k_caches, v_caches, cu_q_lens, context_lens, block_table, slot_mapping,
-             rotary_cos, rotary_sin, step, step + 1, add_residual);
+             rotary_cos, rotary_sin, step, step + 1, add_residual, true);
 }
 
 at::Tensor DecoderStack::run(const at::Tensor& x_in, const std::vector<at::Tensor>& k_caches,
@@ -503,7 +541,7 @@ at::Tensor DecoderStack::run(const at::Tensor& x_in, const std::vector<at::Tenso
                              const at::Tensor& block_table, const at::Tensor& slot_mapping,
                              const std::optional<at::Tensor>& rotary_cos,
                              const std::optional<at::Tensor>& rotary_sin, int64_t step_begin,
-                             int64_t step_end, bool add_residual) const {
+                             int64_t step_end, bool add_residual, bool partial) const {
   const int64_t L = num_layers();
   TORCH_CHECK(L > 0, "DecoderStack has no layers (add_layer first)");
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L &&
@@ -523,15 +561,22 @@ at::Tensor DecoderStack::run(const at::Tensor& x_in, const std::vector<at::Tenso
                      chosen_quant_isa(), chosen_attention_isa()};
   TORCH_CHECK(rotary_cos.has_value() == rotary_sin.has_value(),
               "rotary_cos and rotary_sin must be given together");
+  int64_t rotary_dim = 0;
   if (rotary_cos) {
     for (const auto& [t, name] : {std::pair{&*rotary_cos, "rotary_cos"}, {&*rotary_sin,
                                                                           "rotary_sin"}}) {
-      check_dim(*t, name, 2, "[T, head_dim / 2]");
+      check_dim(*t, name, 3, "[num_tables, T, rotary_dim / 2]");
       check_same_dtype(*t, name, x_in, "x");
       check_same_device(*t, name, x_in, "x");
-      TORCH_CHECK(t->size(0) == T && 2 * t->size(1) == head_dim_, name, " must be [T, "
-                  "head_dim / 2] = [", T, ", ", head_dim_ / 2, "], got ", shape_str(*t));
+      TORCH_CHECK(t->size(0) >= num_rotary_ && t->size(1) == T && t->size(2) > 0 &&
+                      2 * t->size(2) <= head_dim_,
+                  name, " must be [num_tables >= ", num_rotary_, ", T = ", T,
+                  ", rotary_dim / 2 <= head_dim / 2 = ", head_dim_ / 2, "], got ", shape_str(*t));
     }
+    TORCH_CHECK(rotary_cos->sizes() == rotary_sin->sizes(), "rotary_cos ",
+                shape_str(*rotary_cos), " and rotary_sin ", shape_str(*rotary_sin),
+                " must have the same shape");
+    rotary_dim = 2 * rotary_cos->size(2);
   }
   // Stand-ins of the attention's inputs, for ragged_attention's and store_kv's checks.
   const at::Tensor q = at::empty({T, num_heads_, head_dim_}, x_in.options());
@@ -563,13 +608,15 @@ at::Tensor DecoderStack::run(const at::Tensor& x_in, const std::vector<at::Tenso
                         table.data_ptr<int32_t>());
   at::Tensor x = x_in.contiguous().clone();
   if (T == 0) return x;
-  const auto contiguous = [](const std::optional<at::Tensor>& t) {
-    return t ? std::optional(t->contiguous()) : std::nullopt;
-  };
+  const std::optional<at::Tensor> cos = contiguous(rotary_cos), sin = contiguous(rotary_sin);
   ORCA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "DecoderStack.forward", [&] {
-    fused_stack<scalar_t>(x, s, layers_, k_caches, v_caches, cu, ctx, table, slots,
-                          contiguous(rotary_cos), contiguous(rotary_sin), norm_eps_, step_begin,
-                          step_end, add_residual);
+    const StepArgs<scalar_t> args{k_caches, v_caches, cu.data_ptr<int32_t>(),
+                                  ctx.data_ptr<int32_t>(), table.data_ptr<int32_t>(),
+                                  slots.data_ptr<int64_t>(),
+                                  cos ? cos->data_ptr<scalar_t>() : nullptr,
+                                  sin ? sin->data_ptr<scalar_t>() : nullptr, rotary_dim};
+    fused_stack<scalar_t>(x, s, layers_, args, as, norm_eps_, step_begin, step_end, add_residual,
+                          partial);
   });
   return x;
 }

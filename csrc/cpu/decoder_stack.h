@@ -1,10 +1,13 @@
-// torch.classes.orca.DecoderStack: a model's pre-norm decoder blocks (GPT-2 and Llama shaped),
-// prepared once on the CPU and run as one call per decode step. add_layer checks each layer's
-// weights and keeps them contiguous; forward checks only what changes per step (the hidden
-// states, the caches and the metadata) and runs the whole stack in one parallel region.
+// torch.classes.orca.DecoderStack: a model's decoder blocks, prepared once on the CPU and run as
+// one call per decode step. The block is the one orca_ext/model/decoder.py describes: a norm
+// before attention and MLP, optional QK norms on each head, optional norms on the attention and
+// MLP outputs before their residual adds (Gemma), rotary tables and an attention window chosen
+// per layer. add_layer checks each layer's weights and keeps them contiguous; forward checks only
+// what changes per step and runs the whole stack in one parallel region.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/Dict.h>
 #include <torch/custom_class.h>
 
 #include <optional>
@@ -18,42 +21,42 @@ namespace orca {
 
 class DecoderStack : public torch::CustomClassHolder {
  public:
-  // One block's tensors, contiguous; the biases and the norms' biases optional. A linear with
-  // a format holds its weight as GGUF blocks (uint8 [N, K / 32 * block_bytes]).
+  // One linear: a float weight [N, K] or GGUF blocks of `format` (uint8 [N, K / 32 * bytes]).
+  struct Linear {
+    at::Tensor weight;
+    std::optional<at::Tensor> bias;
+    std::optional<cpu::quant::Format> format;
+  };
+
+  // One block's tensors, contiguous.
   struct Layer {
-    at::Tensor attn_norm, qkv, out, mlp_norm, up, down;
-    std::optional<at::Tensor> attn_norm_bias, qkv_bias, out_bias, mlp_norm_bias, up_bias,
-        down_bias;
-    double scale;
-    std::optional<cpu::quant::Format> qkv_format, out_format, up_format, down_format;
+    at::Tensor attn_norm, mlp_norm;
+    std::optional<at::Tensor> attn_norm_bias, mlp_norm_bias;
+    std::optional<at::Tensor> q_norm, k_norm;  // RMSNorm of each q / k head [head_dim]
+    std::optional<at::Tensor> post_attn_norm, post_mlp_norm;  // RMSNorm before the adds
+    Linear qkv, out, up, down;
+    double scale;     // the attention's softmax scale
+    int64_t window;   // the attention window (0: full causal attention)
+    int64_t rotary;   // which of forward's rotary tables rotates q and k
   };
 
   DecoderStack(std::string norm, double norm_eps, std::string activation, int64_t num_heads,
                int64_t num_kv_heads, int64_t head_dim);
 
-  // Appends a block: x = out(attention(qkv(norm(x)))) + x; x = down(act(up(norm(x)))) + x.
-  void add_layer(const at::Tensor& attn_norm_weight,
-                 const std::optional<at::Tensor>& attn_norm_bias, const at::Tensor& qkv_weight,
-                 const std::optional<at::Tensor>& qkv_bias, const at::Tensor& out_weight,
-                 const std::optional<at::Tensor>& out_bias, const at::Tensor& mlp_norm_weight,
-                 const std::optional<at::Tensor>& mlp_norm_bias, const at::Tensor& up_weight,
-                 const std::optional<at::Tensor>& up_bias, const at::Tensor& down_weight,
-                 const std::optional<at::Tensor>& down_bias, double scale);
-
-  // add_layer with each linear's weight as GGUF blocks of its format ('q8_0', 'q4_0', 'q4_1'),
-  // as quantized_linear takes them; the norms, biases and hidden states stay float.
-  void add_quantized_layer(
-      const at::Tensor& attn_norm_weight, const std::optional<at::Tensor>& attn_norm_bias,
-      const at::Tensor& qkv_weight, const std::string& qkv_format,
-      const std::optional<at::Tensor>& qkv_bias, const at::Tensor& out_weight,
-      const std::string& out_format, const std::optional<at::Tensor>& out_bias,
-      const at::Tensor& mlp_norm_weight, const std::optional<at::Tensor>& mlp_norm_bias,
-      const at::Tensor& up_weight, const std::string& up_format,
-      const std::optional<at::Tensor>& up_bias, const at::Tensor& down_weight,
-      const std::string& down_format, const std::optional<at::Tensor>& down_bias, double scale);
+  // Appends a block: x += post_attn_norm(out(attention(qkv(norm(x))))), then
+  // x += post_mlp_norm(down(act(up(norm(x))))), the post norms where given. `weights` maps
+  // names to tensors: attn_norm, qkv, out, mlp_norm, up, down (required); attn_norm_bias,
+  // qkv_bias, out_bias, mlp_norm_bias, up_bias, down_bias, q_norm, k_norm, post_attn_norm,
+  // post_mlp_norm (optional, but the same set in every layer). `formats` names the GGUF format
+  // ('q8_0', 'q4_0', 'q4_1') of each of qkv, out, up, down that holds blocks; the others are
+  // float weights of the hidden states' dtype.
+  void add_layer(const c10::Dict<std::string, at::Tensor>& weights,
+                 const c10::Dict<std::string, std::string>& formats, double scale,
+                 int64_t window, int64_t rotary);
 
   // The stack on packed hidden states x [T, hidden] (T <= max_tokens()); stores each layer's
-  // new K/V in k_caches[l] / v_caches[l] and returns the new hidden states.
+  // new K/V in k_caches[l] / v_caches[l] and returns the new hidden states. rotary_cos / sin
+  // are [R, T, rotary_dim / 2] (a layer uses table `rotary`), or None for no rotary.
   at::Tensor forward(const at::Tensor& x, const std::vector<at::Tensor>& k_caches,
                      const std::vector<at::Tensor>& v_caches, const at::Tensor& cu_q_lens,
                      const at::Tensor& context_lens, const at::Tensor& block_table,
@@ -61,8 +64,9 @@ class DecoderStack : public torch::CustomClassHolder {
                      const std::optional<at::Tensor>& rotary_sin) const;
 
   // One half of one layer for a tensor-parallel rank (step 2l: layer l's attention, 2l + 1:
-  // its MLP): returns x's new value without the all-reduce, so the residual is added by one
-  // rank only (add_residual); the caller sums the ranks' results before the next step.
+  // its MLP), up to its row-parallel linear's partial sum, which the caller all-reduces: with
+  // the residual added when add_residual (one rank only); for a block with post norms, the raw
+  // sum (the caller applies the post norm and the residual add after the all-reduce).
   at::Tensor forward_partial(const at::Tensor& x, const std::vector<at::Tensor>& k_caches,
                              const std::vector<at::Tensor>& v_caches, const at::Tensor& cu_q_lens,
                              const at::Tensor& context_lens, const at::Tensor& block_table,
@@ -72,7 +76,7 @@ class DecoderStack : public torch::CustomClassHolder {
                              bool add_residual) const;
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-  // The most tokens a call should take (8; 64 for quantized layers on amx_int8).
+  // The most tokens a call should take (8; 64 where every linear holds blocks, on amx_int8).
   int64_t max_tokens() const;
 
  private:
@@ -81,9 +85,9 @@ class DecoderStack : public torch::CustomClassHolder {
                  const at::Tensor& context_lens, const at::Tensor& block_table,
                  const at::Tensor& slot_mapping, const std::optional<at::Tensor>& rotary_cos,
                  const std::optional<at::Tensor>& rotary_sin, int64_t step_begin,
-                 int64_t step_end, bool add_residual) const;
+                 int64_t step_end, bool add_residual, bool partial) const;
 
-  // Checks that layer l (hidden wide, of dtype) agrees with layer 0, then appends it.
+  // Checks that the layer agrees with layer 0 (its optional tensors, widths), then appends it.
   void push_layer(Layer layer, at::ScalarType dtype, int64_t hidden, int64_t inter);
 
   NormKind norm_;
@@ -91,7 +95,7 @@ class DecoderStack : public torch::CustomClassHolder {
   Activation act_;
   std::string activation_name_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
-  int64_t hidden_ = 0, inter_ = 0;
+  int64_t hidden_ = 0, inter_ = 0, num_rotary_ = 0;  // num_rotary_: 1 + the largest table used
   at::ScalarType dtype_ = at::kFloat;  // the hidden states' (every layer's norms and biases)
   std::vector<Layer> layers_;
 };

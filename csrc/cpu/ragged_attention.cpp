@@ -42,7 +42,8 @@ void run_attention(const cpu::AttentionArgs<scalar_t>& args, const Plan& plan,
 at::Tensor ragged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& cu_q_lens_in,
                                 const at::Tensor& context_lens_in,
-                                const at::Tensor& block_table_in, double scale) {
+                                const at::Tensor& block_table_in, double scale,
+                                int64_t window) {
   const AttentionShape s = check_attention_inputs(q_in, k_cache, v_cache, cu_q_lens_in,
                                                   context_lens_in, block_table_in, scale);
   const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();

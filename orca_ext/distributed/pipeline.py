@@ -1,6 +1,6 @@
 """Inter-layer (pipeline) parallelism around an unchanged model: a stage keeps only its layers,
 and a stage after the first receives the previous stage's packed hidden states in place of its
-input embeddings, so the family's own ``forward`` runs the stage and ``compute_logits`` the head.
+input embeddings, so the decoder's own ``forward`` runs the stage and ``compute_logits`` the head.
 """
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import re
 import torch
 from torch import nn
 
-# The modules a family's forward calls on the input ids/positions before its first layer; the
+# The modules the decoder's forward calls on the input ids/positions before its first layer; the
 # first one's output becomes the hidden states (GPT-2 adds its position embedding to it).
-INPUT_MODULES = {"gpt2": ("wte", "wpe"), "llama": ("embed",)}
+INPUT_MODULES = ("embed", "pos_embed")
 _LAYER = re.compile(r"^layers\.(\d+)(\.|$)")
 
 
@@ -36,29 +36,30 @@ class StageInput(nn.Module):
         return hidden
 
 
-def stage_keeps(family: str, layers: range, first: bool, last: bool):
+def stage_keeps(layers: range, first: bool, last: bool):
     """``keep(name)``: whether a stage with global ``layers`` uses the parameter or module
     ``name`` (input embeddings on the first stage, the final norm and lm_head on the last)."""
-    inputs = INPUT_MODULES[family]
-
     def keep(name: str) -> bool:
         match = _LAYER.match(name)
         if match:
             return int(match.group(1)) in layers
         if name == "layers" or not name:
             return True
-        return first if name.split(".")[0] in inputs else last
+        return first if name.split(".")[0] in INPUT_MODULES else last
 
     return keep
 
 
-def cut_stage(model: nn.Module, family: str, layers: range, first: bool) -> Received | None:
+def cut_stage(model: nn.Module, layers: range, first: bool) -> Received | None:
     """Keep only ``layers`` (renumbered from 0); on a later stage, swap the input embeddings for
-    ``StageInput``s and return the ``Received`` to fill before each forward."""
+    ``StageInput``s (the received hidden states are already scaled) and return the ``Received``
+    to fill before each forward."""
     model.layers = nn.ModuleList(model.layers[i] for i in layers)
     if first:
         return None
     received = Received()
-    for i, name in enumerate(INPUT_MODULES[family]):
-        setattr(model, name, StageInput(received, primary=i == 0))
+    for i, name in enumerate(INPUT_MODULES):
+        if getattr(model, name) is not None:
+            setattr(model, name, StageInput(received, primary=i == 0))
+    model.embed_scale = 1.0
     return received

@@ -7,7 +7,6 @@ as a single process draws it (one full tensor at a time) and sliced. Tied parame
 """
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..model.builtin import init_random_weights
 from ..model.config import ModelConfig
-from ..model.loader import ModelInfo, build_model, open_checkpoint
+from ..model.loader import ModelInfo, build_model, model_family, open_checkpoint
 from .tensor_parallel import (ShardRanges, param_split, shard_ranges, shard_tensor, take_shard,
                               tp_plan)
 
@@ -105,7 +104,7 @@ def _checkpoint_shards(info: ModelInfo, params: dict[str, nn.Parameter],
                        wanted: dict[str, list[str]],
                        ranges: Callable[[str], ShardRanges]) -> dict[str, torch.Tensor]:
     config = info.config
-    family = importlib.import_module(f"orca_ext.model.{config.family}")
+    family = model_family(config)
     weight_map = family.hf_weight_map(config)
     shards = {}
     with open_checkpoint(info) as checkpoint:
@@ -116,7 +115,8 @@ def _checkpoint_shards(info: ModelInfo, params: dict[str, nn.Parameter],
             for rows, piece in checkpoint.parts(spec, shape):
                 parts.append((offset, rows, piece))
                 offset += rows
-            shards[name] = take_shard(_part_reader(parts, spec.transpose, shape), ranges(name))
+            shard = take_shard(_part_reader(parts, spec.transpose, shape), ranges(name))
+            shards[name] = shard.float() + spec.shift if spec.shift else shard
     return shards
 
 

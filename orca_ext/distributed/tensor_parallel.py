@@ -1,6 +1,6 @@
 """Megatron-style intra-layer parallelism, applied around an unchanged model (gpt-fast style).
 
-Per family, a plan names the linear layers to split (module names below ``layers.N.``):
+A plan names the decoder's linear layers to split (module names below ``layers.N.``):
 - column-parallel (split along the output dim, no communication): fused QKV, split by head in
   each of its q/k/v sections (so each rank keeps ``Hq/tp`` query heads and the ``Hkv/tp`` KV heads
   they read), and the MLP's first linear (gate and up split alike, so ``silu_and_mul`` stays local);
@@ -39,18 +39,15 @@ _LAYER_PREFIX = re.compile(r"^layers\.\d+\.")
 
 
 def tp_plan(config: ModelConfig) -> dict[str, Split]:
-    """Module name (without ``layers.N.``) -> how its weight is split."""
+    """Module name (without ``layers.N.``) -> how its weight is split, for the decoder's block
+    (``model/decoder.py``; a gated MLP's gate and up rows split alike)."""
     q = config.num_heads * config.head_dim
     kv = config.num_kv_heads * config.head_dim
     inter = config.intermediate_size
-    plan = {"attn.qkv": Split("column", (q, kv, kv)), "attn.out": ROW, "lm_head": VOCAB}
-    if config.family == "gpt2":
-        plan |= {"mlp.fc": Split("column", (inter,)), "mlp.proj": ROW, "wte": VOCAB}
-    elif config.family == "llama":
-        plan |= {"mlp.gate_up": Split("column", (inter, inter)), "mlp.down": ROW, "embed": VOCAB}
-    else:
-        raise ValueError(f"no tensor-parallel plan for the {config.family!r} family")
-    return plan
+    gated = config.activation.endswith("_and_mul")
+    return {"attn.qkv": Split("column", (q, kv, kv)), "attn.out": ROW,
+            "mlp.up": Split("column", (inter, inter) if gated else (inter,)), "mlp.down": ROW,
+            "embed": VOCAB, "lm_head": VOCAB}
 
 
 def param_split(plan: dict[str, Split], name: str) -> Split:

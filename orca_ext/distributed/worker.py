@@ -50,7 +50,7 @@ class Worker:
         config = info.config
         dtype = resolve_dtype(spec.dtype)
         layers = range(*spec.stage_layers[self.stage])
-        keep = stage_keeps(config.family, layers, self.first, self.last)
+        keep = stage_keeps(layers, self.first, self.last)
         model = build_meta_model(config, dtype, device)
         load_shards(model, info, keep, self.tp_rank, spec.tp, dtype, device)
         tp_group = None
@@ -58,12 +58,13 @@ class Worker:
             tp_group = TPGroup(groups.tp, layout.stage_ranks(self.stage), self.tp_rank,
                                "gloo" if device.type == "cpu" else "nccl")
         parallelize(model, config, tp_group, keep)
-        self.received = cut_stage(model, config.family, layers, self.first)
+        self.received = cut_stage(model, layers, self.first)
         self.model = model.eval()
         self.hidden_size, self.dtype = config.hidden_size, dtype
         local = dataclasses.replace(config, num_layers=len(layers),
                                     num_heads=config.num_heads // spec.tp,
-                                    num_kv_heads=config.num_kv_heads // spec.tp)
+                                    num_kv_heads=config.num_kv_heads // spec.tp,
+                                    layer_types=config.layer_types[layers.start:layers.stop])
         kv_cache = KVCache(local, spec.num_blocks, spec.block_size, dtype, device)
         # The in-process runner's input preparation and forward path, on this stage's layers.
         self.runner = ModelRunner(self.model, kv_cache, cuda_graphs=False)

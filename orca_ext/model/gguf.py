@@ -24,23 +24,32 @@ from .weights import Checkpoint
 
 # General llama.cpp architecture -> Hugging Face architecture (Mistral files say "llama").
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "gpt2": "GPT2LMHeadModel"}
+                 "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 
+_LLAMA_BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+                "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _BLOCK_NAMES = {
-    "llama": {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
-              "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-              "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"},
+    "llama": _LLAMA_BLOCK, "qwen2": _LLAMA_BLOCK, "qwen3": _LLAMA_BLOCK | _QK_NORMS,
+    "gemma3": _LLAMA_BLOCK | _QK_NORMS | {
+        "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_norm": "input_layernorm", "attn_qkv": "self_attn.qkv_proj",
+             "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+             "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"},
     "gpt2": {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
              "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
 }
-_GLOBAL_NAMES = {
-    "llama": {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-              "output": "lm_head"},
-    "gpt2": {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
-             "output_norm": "transformer.ln_f", "output": "lm_head"},
-}
-_BLOCK_PREFIX = {"llama": "model.layers.", "gpt2": "transformer.h."}
+_DECODER_GLOBALS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                    "output": "lm_head"}
+_GPT2_GLOBALS = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
+                 "output_norm": "transformer.ln_f", "output": "lm_head"}
+# Gemma's converter stores its RMSNorm weights w as 1 + w (the scale it multiplies by); the
+# checkpoint presents Hugging Face's w, which the family's weight map shifts back.
+_NORM_SHIFTS = {"gemma3": 1.0}
 # GPT-2's Conv1D weights are [in, out] in Hugging Face checkpoints; llama.cpp stores [out, in].
 _CONV1D_PARTS = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
 
@@ -127,10 +136,6 @@ class GGUFFile:
             raise ValueError(f"{self.path}: metadata lacks {full!r}")
         return self.metadata[full]
 
-    @property
-    def family(self) -> str:
-        return "gpt2" if self.architecture == "gpt2" else "llama"
-
 
 def hf_config(file: GGUFFile) -> dict[str, Any]:
     """The file's metadata as Hugging Face ``config.json`` keys."""
@@ -156,9 +161,6 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
                 "activation_function": "gelu_new"}
     head_dim = int(file.arch_value("attention.key_length", hidden // heads))
     rope_dim = int(file.arch_value("rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise ValueError(f"{file.path}: rotary over {rope_dim} of {head_dim} head dimensions "
-                         "(partial rotary) is not supported")
     if "rope_freqs.weight" in file.tensors:
         raise ValueError(f"{file.path}: per-frequency rope factors (rope_freqs.weight, Llama "
                          "3.1 rope scaling) are not supported")
@@ -171,7 +173,14 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
               "max_position_embeddings": int(file.require("context_length")),
               "rms_norm_eps": float(file.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
               "rope_theta": float(file.arch_value("rope.freq_base", 10000.0)),
-              "hidden_act": "silu"}
+              "partial_rotary_factor": rope_dim / head_dim}
+    if file.architecture == "gemma3":
+        config |= _gemma3_config(file, head_dim)
+    else:
+        config["hidden_act"] = "silu"
+    if file.architecture == "phi3" and "rope_factors_long.weight" in file.tensors:
+        config["rope_scaling"] = _phi3_longrope(file)
+        return config
     scaling = file.arch_value("rope.scaling.type", "none")
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear",
@@ -180,6 +189,34 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
         raise ValueError(f"{file.path}: unsupported rope scaling {scaling!r}; supported: "
                          "'none', 'linear'")
     return config
+
+
+def _gemma3_config(file: GGUFFile, head_dim: int) -> dict[str, Any]:
+    """Gemma 3's keys that its GGUF files do not store, as llama.cpp and transformers set them:
+    every sixth layer global, local layers' rotary base 10000, the query scaled by
+    1 / sqrt(head_dim)."""
+    return {"hidden_activation": "gelu_pytorch_tanh",
+            "sliding_window": int(file.require("attention.sliding_window")),
+            "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0,
+            "query_pre_attn_scalar": head_dim,
+            "final_logit_softcapping": file.arch_value("final_logit_softcapping"),
+            "attn_logit_softcapping": file.arch_value("attn_logit_softcapping")}
+
+
+def _phi3_longrope(file: GGUFFile) -> dict[str, Any]:
+    """Phi-3's LongRoPE from its factor tensors and scaling keys."""
+    def factors(name: str) -> list[float]:
+        return [float(f) for f in np.asarray(file.tensors[name].data, dtype=np.float32)]
+
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope", "long_factor": factors("rope_factors_long.weight"),
+        "short_factor": factors("rope_factors_short.weight"),
+        "original_max_position_embeddings": int(file.require(
+            "rope.scaling.original_context_length"))}
+    attention_factor = file.arch_value("rope.scaling.attn_factor")
+    if attention_factor is not None:
+        scaling["attention_factor"] = float(attention_factor)
+    return scaling
 
 
 def _unpermute_rotary(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -197,6 +234,7 @@ class _Dequantized:
     gguf_name: str
     transpose: bool
     rotary_heads: int | None
+    shift: float = 0.0  # subtracted (a stored 1 + w norm weight as w)
 
     def get_shape(self) -> tuple[int, ...]:
         shape = tuple(int(n) for n in reversed(self.file.tensors[self.gguf_name].shape))
@@ -214,6 +252,8 @@ class _Dequantized:
         values = values.reshape(tuple(int(n) for n in reversed(tensor.shape)))
         if self.rotary_heads is not None:
             values = _unpermute_rotary(values, self.rotary_heads)
+        if self.shift:
+            values = values - self.shift
         return (values.t() if self.transpose else values)[index]
 
 
@@ -223,7 +263,10 @@ class GGUFCheckpoint(Checkpoint):
 
     def __init__(self, file: GGUFFile) -> None:
         self.file, self.source = file, str(file.path)
-        family = file.family
+        arch = file.architecture
+        blocks = _BLOCK_NAMES[arch]
+        globals_ = _GPT2_GLOBALS if arch == "gpt2" else _DECODER_GLOBALS
+        prefix = "transformer.h." if arch == "gpt2" else "model.layers."
         heads = int(file.arch_value("attention.head_count", 0))
         rotary_heads = {"attn_q": heads,
                         "attn_k": int(file.arch_value("attention.head_count_kv", heads))}
@@ -231,18 +274,19 @@ class GGUFCheckpoint(Checkpoint):
         for name in file.tensors:
             base, _, kind = name.rpartition(".")
             parts = base.split(".")
-            if parts[0] == "blk" and len(parts) == 3 and parts[2] in _BLOCK_NAMES[family]:
-                hf = f"{_BLOCK_PREFIX[family]}{parts[1]}.{_BLOCK_NAMES[family][parts[2]]}.{kind}"
-                part = parts[2]
-            elif base in _GLOBAL_NAMES[family]:
-                hf, part = f"{_GLOBAL_NAMES[family][base]}.{kind}", base
+            if parts[0] == "blk" and len(parts) == 3 and parts[2] in blocks:
+                hf, part = f"{prefix}{parts[1]}.{blocks[parts[2]]}.{kind}", parts[2]
+            elif base in globals_:
+                hf, part = f"{globals_[base]}.{kind}", base
             else:
                 hf, part = name, None  # reported as unused by check_names
-            transpose = family == "gpt2" and part in _CONV1D_PARTS and kind == "weight"
-            # Only the llama converter permutes (Qwen2's keeps Hugging Face's row order).
-            permuted = file.architecture == "llama" and part in rotary_heads
+            transpose = arch == "gpt2" and part in _CONV1D_PARTS and kind == "weight"
+            # Only the llama converter permutes (the others keep Hugging Face's row order).
+            permuted = arch == "llama" and part in rotary_heads
+            norm = part is not None and part.endswith("norm") and kind == "weight"
             self._tensors[hf] = _Dequantized(file, name, transpose,
-                                             rotary_heads[part] if permuted else None)
+                                             rotary_heads[part] if permuted else None,
+                                             _NORM_SHIFTS.get(arch, 0.0) if norm else 0.0)
 
     def names(self) -> list[str]:
         return list(self._tensors)

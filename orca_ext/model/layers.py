@@ -7,6 +7,7 @@ torch ops. Parameters are created uninitialized (the loader or the built-in mode
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,31 +102,38 @@ class LayerNorm(Layer):
 
 
 class RMSNorm(Layer):
-    """Llama's RMSNorm: normalized in float32, cast back, then scaled."""
+    """Llama's RMSNorm: normalized in float32, cast back, then scaled (``ops.rms_norm``, the
+    row kernel the fused linears and the DecoderStack use, so the per-op blocks equal theirs)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = _param(dim)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``norm(x)`` over the last dim, plus ``residual`` where given."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
     def fused_args(self) -> tuple[str, torch.Tensor, None, float]:
         """``packed_linear``'s norm arguments for this norm."""
         return "rms_norm", self.weight, None, self.eps
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` (float32), with linear or llama3 scaling."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+def rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None,
+                  ) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[dim // 2]`` (float32) of a rotary table over ``dim`` dims, with
+    linear, llama3 or longrope scaling, and the factor its cos and sin are multiplied by."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        # Phi-3's LongRoPE: per-frequency factors, cos / sin scaled by the attention factor.
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        return 1.0 / (factors * theta ** exponents), scaling["attention_factor"]
+    inv_freq = 1.0 / theta ** exponents
     if scaling is None:
-        return inv_freq
+        return inv_freq, 1.0
     factor = scaling["factor"]
     if scaling["rope_type"] == "linear":
-        return inv_freq / factor
+        return inv_freq / factor, 1.0
     # llama3: keep high frequencies, divide low ones by factor, interpolate in between.
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
@@ -134,38 +142,49 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     smooth = (old_len / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, smoothed, scaled)
+    return torch.where(medium, smoothed, scaled), 1.0
 
 
 class RotaryEmbedding(Layer):
-    """Neox-style (rotate-half) rotary position embedding."""
+    """Neox-style (rotate-half) rotary tables, one per ``RopeSpec`` (Gemma 3's local and
+    global layers use two); all rotate the same number of dims."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
+    def __init__(self, ropes: Sequence[Any]) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling),
-                             persistent=False)
+        if len({rope.dim for rope in ropes}) != 1:
+            raise ValueError("every rotary table of a model must rotate the same dims")
+        tables = [rope_inv_freq(rope.dim, rope.theta, rope.scaling) for rope in ropes]
+        self.register_buffer("inv_freq", torch.stack([t[0] for t in tables]), persistent=False)
+        self.factors = [t[1] for t in tables]
 
-    def forward(self, positions: torch.Tensor,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, 1, head_dim // 2]`` for the packed positions; computed once per
-        iteration in float32, as Hugging Face does."""
-        freqs = positions[:, None].float() * self.inv_freq
-        return freqs.cos().to(dtype)[:, None], freqs.sin().to(dtype)[:, None]
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """cos and sin stacked ``[2, R, T, rotary_dim // 2]`` for the packed positions;
+        computed once per iteration in float32, as Hugging Face does."""
+        freqs = positions[None, :, None].float() * self.inv_freq[:, None]
+        cos, sin = freqs.cos(), freqs.sin()
+        if any(f != 1.0 for f in self.factors):
+            factors = torch.tensor(self.factors)[:, None, None]
+            cos, sin = cos * factors, sin * factors
+        return torch.stack((cos, sin)).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, H, D]`` by the per-token angles."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate the first ``2 * cos.shape[-1]`` dims of ``x [T, H, D]`` by the per-token angles
+    (the rest, under partial rotary, pass through)."""
+    rot = 2 * cos.shape[-1]
+    x1, x2 = x[..., :rot].chunk(2, dim=-1)
+    rotated = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+    return torch.cat((*rotated, x[..., rot:]) if rot < x.shape[-1] else rotated, dim=-1)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, window: int = 0) -> torch.Tensor:
     """Store the new tokens' ``k``/``v`` ``[T, Hkv, D]`` in this layer's cache, then attend with
-    ``q [T, Hq, D]`` over each request's cached context. Returns ``[T, Hq * D]``."""
+    ``q [T, Hq, D]`` over each request's cached context (the last ``window`` positions only,
+    where not 0). Returns ``[T, Hq * D]``."""
     k_cache, v_cache = kv_cache
     ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = ops.ragged_attention(q, k_cache, v_cache, meta.cu_q_lens, meta.context_lens,
-                               meta.block_table, scale)
+                               meta.block_table, scale, window)
     return out.flatten(1)

@@ -8,22 +8,24 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import gpt2, llama
+from . import gemma3, gpt2, llama, phi3
 from .arena import allocate_in_arena
 from .builtin import (BUILTIN_GGUF_MODELS, BUILTIN_MODELS, builtin_gguf_path, builtin_tokenizer,
                       init_random_weights)
 from .config import ModelConfig
+from .decoder import Decoder
 from .gguf import GGUFCheckpoint, GGUFFile, gguf_tokenizer, hf_config
 from .quantized import QuantizedWeight, check_quantization, plan_quantization, quantize_modules
 from .tokenizer import Tokenizer
 from .weights import Checkpoint, SafetensorsCheckpoint, load_hf_weights, save_hf_weights
 
-_FAMILIES = {"gpt2": (gpt2, gpt2.GPT2), "llama": (llama, llama.Llama)}
+_FAMILIES = {"gpt2": gpt2, "llama": llama, "gemma3": gemma3, "phi3": phi3}
 _log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -117,9 +119,8 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
                 quantized: dict[str, QuantizedWeight] | None = None) -> nn.Module:
     """The family's module with uninitialized parameters of ``dtype`` on ``device``, the weights
     in ``quantized`` (``quantized.plan_quantization``) as uninitialized GGUF blocks."""
-    _, cls = _FAMILIES[config.family]
     with torch.device(device), _default_dtype(dtype):
-        model = cls(config).eval()
+        model = family_model(config)
         if quantized:
             quantize_modules(model, quantized, dtype)
     allocate_in_arena(model)
@@ -214,8 +215,7 @@ def open_checkpoint(info: ModelInfo) -> Checkpoint:
         return GGUFCheckpoint(info.gguf)
     if info.folder is None:
         raise ValueError("a built-in random model has no checkpoint")
-    family, _ = _FAMILIES[info.config.family]
-    return SafetensorsCheckpoint(info.folder, family.canonical_hf_name)
+    return SafetensorsCheckpoint(info.folder, model_family(info.config).canonical_hf_name)
 
 
 def load_model(name_or_path: str, dtype: torch.dtype | str = "float32",
@@ -230,7 +230,7 @@ def load_model(name_or_path: str, dtype: torch.dtype | str = "float32",
         quantization = "none"
     info = load_model_info(name_or_path)
     config = info.config
-    family, _ = _FAMILIES[config.family]
+    family = model_family(config)
     weight_map = family.hf_weight_map(config)
     checkpoint = None if info.checkpoint is None else open_checkpoint(info)
     if checkpoint is not None:  # names first: the plan reads the stored types
@@ -251,10 +251,14 @@ def load_model(name_or_path: str, dtype: torch.dtype | str = "float32",
                        info.chat_template)
 
 
-def family_model(config: ModelConfig) -> nn.Module:
-    """The family's module, built under whatever device and dtype the caller set."""
-    _, cls = _FAMILIES[config.family]
-    return cls(config).eval()
+def model_family(config: ModelConfig) -> ModuleType:
+    """The family file describing ``config``'s model (``decoder_spec``, ``hf_weight_map``)."""
+    return _FAMILIES[config.family]
+
+
+def family_model(config: ModelConfig) -> Decoder:
+    """The family's decoder, built under whatever device and dtype the caller set."""
+    return Decoder(config, model_family(config).decoder_spec(config)).eval()
 
 
 def _init_random_quantized(model: nn.Module, config: ModelConfig,
@@ -281,7 +285,7 @@ def save_pretrained_folder(loaded: LoadedModel, path: str | Path) -> Path:
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     config = loaded.config
-    family, _ = _FAMILIES[config.family]
+    family = model_family(config)
     hf_config = {**config.hf_config, "dtype": str(loaded.dtype).removeprefix("torch.")}
     _write_json(folder / "config.json", hf_config)
     save_hf_weights(loaded.model, family.hf_weight_map(config), folder / "model.safetensors")

@@ -24,6 +24,7 @@ class HFWeight(NamedTuple):
     names: tuple[str, ...]  # checkpoint tensor names, in concatenation order
     transpose: bool = False  # stored [in, out] (GPT-2's Conv1D)
     sizes: tuple[int, ...] | None = None  # rows each name contributes (None: one whole tensor)
+    shift: float = 0.0  # added to the stored values (Gemma's norms store w for a scale of 1 + w)
 
 
 def _listed(names: list[str]) -> str:
@@ -157,7 +158,8 @@ def load_hf_weights(model: nn.Module, weight_map: dict[str, HFWeight], checkpoin
             parts = [piece[:] for _, piece in checkpoint.parts(spec, tuple(param.shape))]
             if spec.transpose:
                 parts = [part.t() for part in parts]
-            param.copy_(torch.cat(parts) if len(parts) > 1 else parts[0])
+            value = torch.cat(parts) if len(parts) > 1 else parts[0]
+            param.copy_(value.float() + spec.shift if spec.shift else value)
 
 
 def save_hf_weights(model: nn.Module, weight_map: dict[str, HFWeight], file: Path) -> None:
@@ -166,6 +168,8 @@ def save_hf_weights(model: nn.Module, weight_map: dict[str, HFWeight], file: Pat
     tensors = {}
     for our_name, spec in weight_map.items():
         param = params[our_name].detach().cpu()
+        if spec.shift:
+            param = param - spec.shift
         parts = param.split(list(spec.sizes)) if spec.sizes else (param,)
         for name, part in zip(spec.names, parts):
             tensors[name] = (part.t() if spec.transpose else part).contiguous()

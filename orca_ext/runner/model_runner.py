@@ -43,7 +43,7 @@ class ModelRunner:
         self.inputs = InputBatch(kv_cache.block_size)
         self.stack, self.stack_max_tokens, self.tp_group = None, 0, None
         self.upload = self.graphs = None
-        name = type(model).__name__
+        name = getattr(getattr(model, "config", None), "architecture", type(model).__name__)
         if self.device.type == "cpu":
             reason = unsupported_reason(model) if decoder_stack else "turned off"
             if reason is None:

@@ -48,6 +48,7 @@ struct AttentionArgs {
   const int32_t* block_table;  // [B, max_blocks]
   int64_t max_blocks, block_size, num_q_heads, num_kv_heads, head_dim;
   float scale;
+  int64_t window;  // TEMP until the attention-window branch lands
 };
 
 struct AttentionWork {

@@ -46,9 +46,11 @@ void layer_norm_rows(const scalar_t* x, int64_t rows, int64_t K, const scalar_t*
   }
 }
 
+// With a residual [rows, K], y = residual + rms_norm(x), the sum rounded once more (a post-norm
+// block's add). y may be x or the residual (each element is read before it is written).
 template <typename scalar_t>
 void rms_norm_rows(const scalar_t* x, int64_t rows, int64_t K, const scalar_t* w, float eps,
-                   scalar_t* y) {
+                   scalar_t* y, const scalar_t* residual = nullptr) {
   for (int64_t i = 0; i < rows; ++i) {
     const scalar_t* xr = x + i * K;
     const float sum_sq = row_sum(xr, K, [](auto v) { return v * v; });
@@ -56,7 +58,10 @@ void rms_norm_rows(const scalar_t* x, int64_t rows, int64_t K, const scalar_t* w
     for (int64_t k = 0; k < K; ++k) {
       // Rounded to the dtype before the scale, as h.to(x.dtype) in LlamaRMSNorm.
       const float normalized = static_cast<scalar_t>(static_cast<float>(xr[k]) * rstd);
-      y[i * K + k] = static_cast<scalar_t>(static_cast<float>(w[k]) * normalized);
+      const scalar_t scaled = static_cast<scalar_t>(static_cast<float>(w[k]) * normalized);
+      y[i * K + k] = residual ? static_cast<scalar_t>(static_cast<float>(residual[i * K + k]) +
+                                                      static_cast<float>(scaled))
+                              : scaled;
     }
   }
 }
