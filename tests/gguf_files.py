@@ -30,6 +30,15 @@ _LLAMA = dict(_COMMON, hidden_size=256, intermediate_size=512, num_hidden_layers
 SPECS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_LLAMA, tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_LLAMA, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              dict(_LLAMA, tie_word_embeddings=True, head_dim=128)),
+    # llama.cpp's Gemma 3 conventions (a GGUF does not store them): every sixth layer global,
+    # local rotary base 10000, queries scaled by 1 / sqrt(head_dim).
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(_LLAMA, num_hidden_layers=6, head_dim=256, pad_token_id=0, sliding_window=6,
+                    query_pre_attn_scalar=256, rope_theta=1e6, rope_local_base_freq=10000.0)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             dict(_LLAMA, num_hidden_layers=3, tie_word_embeddings=False, pad_token_id=0)),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel",
              dict(vocab_size=VOCAB, n_embd=256, n_layer=3, n_head=4, n_positions=1024,
                   initializer_range=0.1, bos_token_id=1, eos_token_id=2)),
@@ -38,6 +47,16 @@ _LLAMA_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
                 "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                 "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_QK_NORMS = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+_BLOCKS = {
+    "qwen3": _LLAMA_BLOCK | _QK_NORMS,
+    "gemma3": _LLAMA_BLOCK | _QK_NORMS | {
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"},
+    "phi3": {"input_layernorm": "attn_norm", "self_attn.qkv_proj": "attn_qkv",
+             "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"},
+}
 _GPT2_BLOCK = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output",
                "ln_2": "ffn_norm", "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
 
@@ -83,7 +102,7 @@ def gguf_tensors(model: transformers.PreTrainedModel, arch: str) -> dict[str, np
             if name.startswith("model.layers."):
                 _, _, layer, rest = name.split(".", 3)
                 part, kind = rest.rsplit(".", 1)
-                gguf_name = f"blk.{layer}.{_LLAMA_BLOCK[part]}.{kind}"
+                gguf_name = f"blk.{layer}.{_BLOCKS.get(arch, _LLAMA_BLOCK)[part]}.{kind}"
                 if arch == "llama" and part in ("self_attn.q_proj", "self_attn.k_proj"):
                     heads = (config.num_attention_heads if part == "self_attn.q_proj"
                              else config.num_key_value_heads)
@@ -92,6 +111,8 @@ def gguf_tensors(model: transformers.PreTrainedModel, arch: str) -> dict[str, np
                 gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
                              "model.norm.weight": "output_norm.weight",
                              "lm_head.weight": "output.weight"}[name]
+            if arch == "gemma3" and name.endswith("norm.weight"):
+                w = w + 1  # llama.cpp's Gemma converter stores the scale 1 + w
         out[gguf_name] = np.ascontiguousarray(w)
     return out
 
@@ -167,10 +188,17 @@ def write_gguf(model: transformers.PreTrainedModel, arch: str, path: Path,
         writer.add_head_count(config.num_attention_heads)
         writer.add_head_count_kv(config.num_key_value_heads)
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-        writer.add_rope_freq_base(config.rope_parameters["rope_theta"]
-                                  if getattr(config, "rope_parameters", None)
-                                  else config.rope_theta)
-        writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+        rope = getattr(config, "rope_parameters", None) or {"rope_theta": config.rope_theta}
+        writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+        head_dim = getattr(config, "head_dim", None) or (config.hidden_size //
+                                                         config.num_attention_heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_rope_dimension_count(head_dim)
+        if arch == "gemma3":
+            writer.add_sliding_window(config.sliding_window)
+        if arch == "phi3":  # transformers' GGUF load of phi3 defaults it to 32000
+            writer.add_pad_token_id(0)
     writer.add_vocab_size(VOCAB)
     tokenizer = tokenizer or ("llama" if arch == "llama" else "gpt2")
     writer.add_tokenizer_model(tokenizer)

@@ -114,11 +114,12 @@ def test_shards_reassemble_the_full_tensor():
     assert param_split(plan, "layers.3.attn.qkv.bias").kind == "column"
 
 
-@pytest.mark.parametrize("name", ["orca-tiny", "gpt2", "llama_gqa", "gguf_llama", "gguf_gpt2"])
+@pytest.mark.parametrize("name", ["orca-tiny", "gpt2", "llama_gqa", "gemma3", "gguf_llama",
+                                  "gguf_gpt2", "gguf_gemma3"])
 def test_shards_load_straight_from_the_checkpoint(name, tmp_path):
     """Each rank's shards equal the slices of the single-process weights (GPT-2's transposed
     Conv1D, Llama's fused q/k/v and gate/up parts, the padded vocab, orca-tiny's random init,
-    a GGUF file's quantized tensors)."""
+    Gemma's shifted norms, a GGUF file's quantized tensors)."""
     if name == "orca-tiny":
         model = name
     elif name.startswith("gguf_"):
@@ -200,6 +201,19 @@ def test_llama_gqa_same_greedy_outputs(llama_folder, llama_expected, tp, pp):
         assert [ids for ids, _ in _outputs(llm)] == [ids for ids, _ in llama_expected]
         if tp * pp == 4:
             assert len(llm.engine.executor.workers.pids) == 4
+    assert not _worker_children()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_new_families_same_greedy_outputs(family, tp, pp, tmp_path):
+    """QK norms, post norms (all-reduced before the norm), scaled embeddings (a later stage
+    receives them scaled), sliding windows and two rotary tables, sharded and staged."""
+    folder = str(save_hf_model(make_hf_model(family), tmp_path))
+    expected = _reference(folder)
+    with _distributed(folder, tp, pp) as llm:
+        assert [ids for ids, _ in _outputs(llm)] == [ids for ids, _ in expected]
     assert not _worker_children()
 
 

@@ -17,7 +17,7 @@ from orca_ext.model import load_model, load_model_info
 from orca_ext.model.gguf import GGUFFile, merges_from_scores
 from orca_ext.model.loader import open_checkpoint
 
-ARCHS = ["llama", "qwen2", "gpt2"]
+ARCHS = ["llama", "qwen2", "gpt2", "qwen3", "gemma3", "phi3"]
 TEXT = ("the cat and the dog in 12 of 2024, 31415 apples\n\nis it? <|endoftext|> héllo wörld "
         "日本語のテキスト 😀🎉  \t x   y\n  def f(x):\n    return x ** 2  # done\r\n<|im_end|>")
 
@@ -66,6 +66,8 @@ def test_every_tensor_type_loads_as_gguf_dequantizes_it(arch, files):
             got = got.T
         if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             got = llama_cpp_permute(got, 4 if "attn_q" in gguf_name else 2)
+        if arch == "gemma3" and gguf_name.endswith("norm.weight"):
+            got = got + 1  # the file's 1 + w, presented as Hugging Face's w
         np.testing.assert_array_equal(got, expected, err_msg=gguf_name)
 
 
@@ -83,17 +85,22 @@ def _hf_name(arch: str, gguf_name: str) -> str:
     if gguf_name in table[family]:
         return table[family][gguf_name]
     _, layer, part, kind = gguf_name.split(".")
+    llama = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+             "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+             "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
     blocks = {
-        "llama": {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
-                  "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                  "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-                  "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                  "ffn_down": "mlp.down_proj"},
+        "llama": llama,
+        "gemma3": llama | {"post_attention_norm": "post_attention_layernorm",
+                           "ffn_norm": "pre_feedforward_layernorm",
+                           "post_ffw_norm": "post_feedforward_layernorm"},
+        "phi3": llama | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
         "gpt2": {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
                  "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
     }
     prefix = "transformer.h." if family == "gpt2" else "model.layers."
-    return f"{prefix}{layer}.{blocks[family][part]}.{kind}"
+    return f"{prefix}{layer}.{blocks.get(arch, blocks[family])[part]}.{kind}"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

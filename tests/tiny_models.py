@@ -37,14 +37,50 @@ SPECS = {
     "mistral": ("MistralConfig", "MistralForCausalLM",
                 dict(_LLAMA, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                      sliding_window=None)),
+    # A sliding window shorter than the prompts.
+    "mistral_window": ("MistralConfig", "MistralForCausalLM",
+                       dict(_LLAMA, num_attention_heads=4, num_key_value_heads=2,
+                            sliding_window=5)),
+    # QK norms, head_dim != hidden / heads.
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              dict(_LLAMA, num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             dict(_LLAMA, num_attention_heads=4, num_key_value_heads=2, pad_token_id=None)),
+    # LongRoPE (every sequence longer than the original context: the long factors), partial
+    # rotary and a tied head, as Phi-4-mini.
+    "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM",
+                      dict(_LLAMA, num_attention_heads=4, num_key_value_heads=2,
+                           pad_token_id=None, tie_word_embeddings=True,
+                           original_max_position_embeddings=4,
+                           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                            "partial_rotary_factor": 0.75,
+                                            "short_factor": [1.0, 1.5, 2.0, 2.5, 3.0, 3.5],
+                                            "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]})),
+    # Local layers (window shorter than the prompts, their own rotary base) around a global
+    # one, QK and post norms, GELU-tanh gating, scaled embeddings, a query_pre_attn_scalar.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(_LLAMA, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=32, pad_token_id=None, sliding_window=5,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    query_pre_attn_scalar=24,
+                    rope_parameters={"full_attention": {"rope_type": "default",
+                                                        "rope_theta": 10000.0},
+                                     "sliding_attention": {"rope_type": "default",
+                                                           "rope_theta": 100.0}})),
 }
 
 
 def make_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
+    """A tiny random model; its norm weights are random too (Gemma's start at 0, others' at 1)."""
     config_cls, model_cls, kwargs = SPECS[name]
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**kwargs)
-    return getattr(transformers, model_cls)(config).eval()
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name or "ln_" in param_name:
+                param.add_(torch.randn(param.shape) * 0.2)
+    return model
 
 
 def save_hf_model(model: transformers.PreTrainedModel, folder: Path, **save_kwargs) -> Path:
