@@ -52,10 +52,11 @@ def test_packed_logits_match_transformers(hf_model, block_size, device):
 
 
 def check_packed_logits(loaded, hf, vocab: int, block_size: int, device: str, seed: int,
-                        atol: float) -> None:
-    """SCHEDULE's iterations through our model, each request's logits against ``hf``'s on its
-    whole sequence (random token ids)."""
-    total = {r: sum(n for step in SCHEDULE for q, n in step if q == r) for r in range(4)}
+                        atol: float, schedule: list[list[tuple[int, int]]] = SCHEDULE) -> None:
+    """``schedule``'s iterations through our model, each request's logits against ``hf``'s on
+    its whole sequence (random token ids)."""
+    requests = sorted({r for step in schedule for r, _ in step})
+    total = {r: sum(n for step in schedule for q, n in step if q == r) for r in requests}
     gen = torch.Generator().manual_seed(seed)
     tokens = {r: torch.randint(0, vocab, (n,), generator=gen) for r, n in total.items()}
     with torch.no_grad():
@@ -64,7 +65,7 @@ def check_packed_logits(loaded, hf, vocab: int, block_size: int, device: str, se
     kv_cache = KVCache(loaded.config, blocks, block_size, torch.float32, device)
     allocator = fragmented_allocator(blocks, block_size)
     done = dict.fromkeys(total, 0)
-    for step in SCHEDULE:
+    for step in schedule:
         for r, _ in step:
             if r not in allocator:
                 allocator.allocate(r, total[r])

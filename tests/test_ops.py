@@ -1,4 +1,6 @@
 """torch.ops.orca against the pure-torch references in reference_ops.py."""
+import re
+
 import pytest
 import torch
 
@@ -255,6 +257,46 @@ def test_ragged_attention_isa_errors(monkeypatch):
             ops.ragged_attention(*batch.args())
 
 
+# ---------------------------------------------------------------------------- rms_norm
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (7, 640), (3, 5, 256), (40, 100), (0, 32)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(device, dtype, shape, with_residual):
+    gen = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(shape, generator=gen) * 3).to(device, dtype)
+    weight = torch.randn(shape[-1], generator=gen).to(device, dtype)
+    residual = torch.randn(shape, generator=gen).to(device, dtype) if with_residual else None
+    got = ops.rms_norm(x, weight, 1e-6, residual)
+    want = ref.rms_norm(x, weight, 1e-6) + (0 if residual is None else residual.double())
+    assert got.shape == x.shape and got.dtype == dtype
+    assert_close(got, want, dtype)
+
+
+def test_rms_norm_rows_do_not_depend_on_their_neighbours():
+    """A row's result is the same alone or among others (what makes the per-op QK and post
+    norms equal the fused stack's), and a strided view gives its contiguous copy's."""
+    x, w = torch.randn(33, 3, 64), torch.randn(64)
+    whole = ops.rms_norm(x, w, 1e-6)
+    assert torch.equal(ops.rms_norm(x[5:6], w, 1e-6), whole[5:6])
+    view = x[:, 1:]
+    assert torch.equal(ops.rms_norm(view, w, 1e-6), ops.rms_norm(view.contiguous(), w, 1e-6))
+
+
+def test_rms_norm_errors():
+    x = torch.randn(3, 8)
+    cases = [((x, torch.randn(7), 1e-6), "weight has 7 entries but x's last dimension is 8"),
+             ((x, torch.randn(8).double(), 1e-6), "weight has dtype Double but x has dtype Float"),
+             ((x.long(), torch.randn(8), 1e-6), "x must be float32, bfloat16 or float16"),
+             ((x, torch.randn(8), -1.0), "eps must be finite and >= 0, got -1"),
+             ((x, torch.randn(8), 1e-6, torch.randn(3, 7)),
+              "residual must have x's shape [3, 8], got [3, 7]"),
+             ((torch.tensor(1.0), torch.randn(1), 1e-6), "x must have at least one dimension")]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            ops.rms_norm(*args)
+
+
 # ---------------------------------------------------------------------------- opcheck
 
 def test_opcheck(device):
@@ -278,6 +320,10 @@ def test_opcheck(device):
         torch.library.opcheck(torch.ops.orca.packed_linear.default,
                               (torch.randn(n, 16, device=device), torch.randn(8, 16, device=device),
                                None, "none", None, "rms_norm", norm, None, 1e-6))
+    for residual in (None, torch.randn(5, 16, device=device)):
+        torch.library.opcheck(torch.ops.orca.rms_norm.default,
+                              (torch.randn(5, 16, device=device), torch.randn(16, device=device),
+                               1e-6, residual))
     k_cache = torch.zeros(4, 4, 2, 32, device=device)
     torch.library.opcheck(torch.ops.orca.store_kv.default,
                           (torch.randn(3, 2, 32, device=device), torch.randn(3, 2, 32, device=device),

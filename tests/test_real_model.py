@@ -63,7 +63,7 @@ def test_stored_formats_stay_quantized(native):
     model = native.model
     assert model.embed.format == "q8_0" and model.lm_head.weight is model.embed.weight
     assert {lin.format for b in model.layers
-            for lin in (b.attn.qkv, b.attn.out, b.mlp.gate_up, b.mlp.down)} == {"q4_1"}
+            for lin in (b.attn.qkv, b.attn.out, b.mlp.up, b.mlp.down)} == {"q4_1"}
     weights = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
     assert weights <= 120e6
 
