@@ -145,7 +145,7 @@ def test_mixed_and_k_quant_tensors_convert_to_q8_0(tmp_path, caplog):
     assert len(notes) == 1 and "3 weights" in notes[0] and "Q4_1+Q8_0" in notes[0]
     dequantized = load_model(str(path), quantization="none")
     floats = dict(dequantized.model.named_modules())
-    for name in ("layers.0.attn.qkv", "layers.1.mlp.down", "layers.1.mlp.gate_up"):
+    for name in ("layers.0.attn.qkv", "layers.1.mlp.down", "layers.1.mlp.up"):
         module = native.model.get_submodule(name)
         assert module.format == "q8_0"
         want = floats[name].weight
@@ -183,7 +183,7 @@ def test_quantization_of_a_safetensors_model(name, fmt, tmp_path):
 def test_orca_tiny_quantized_at_load_generates():
     """The built-in random model's float32 draws quantized; decode steps on the DecoderStack."""
     loaded = load_model("orca-tiny", quantization="q8_0")
-    assert isinstance(loaded.model.wte, QuantizedEmbedding) and unsupported_reason(
+    assert isinstance(loaded.model.embed, QuantizedEmbedding) and unsupported_reason(
         loaded.model) is None
     llm = LLM(loaded, max_batch_size=2, kv_cache_tokens=256)
     out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
@@ -234,36 +234,40 @@ def test_decoder_stack_bfloat16_activations_bit_exact(gguf_file):
 
 def test_quantized_stack_layer_errors_name_the_argument():
     stack = torch.classes.orca.DecoderStack("rms_norm", 1e-5, "silu_and_mul", 4, 2, 64)
-    args = dict(attn_norm_weight=torch.ones(256), attn_norm_bias=None,
-                qkv_weight=torch.zeros(512, 8 * 20, dtype=torch.uint8), qkv_format="q4_1",
-                qkv_bias=None, out_weight=torch.zeros(256, 8 * 20, dtype=torch.uint8),
-                out_format="q4_1", out_bias=None, mlp_norm_weight=torch.ones(256),
-                mlp_norm_bias=None, up_weight=torch.zeros(1024, 8 * 20, dtype=torch.uint8),
-                up_format="q4_1", up_bias=None,
-                down_weight=torch.zeros(256, 16 * 20, dtype=torch.uint8), down_format="q4_1",
-                down_bias=None, scale=0.125)
-    stack.add_quantized_layer(*args.values())
-    for change, message in [
-        (dict(qkv_format="q5_0"), "layer 1's qkv linear: format must be one of"),
-        (dict(down_weight=torch.zeros(256, 16 * 18, dtype=torch.uint8)),
+    weights = dict(attn_norm=torch.ones(256), qkv=torch.zeros(512, 8 * 20, dtype=torch.uint8),
+                   out=torch.zeros(256, 8 * 20, dtype=torch.uint8), mlp_norm=torch.ones(256),
+                   up=torch.zeros(1024, 8 * 20, dtype=torch.uint8),
+                   down=torch.zeros(256, 16 * 20, dtype=torch.uint8))
+    formats = dict.fromkeys(("qkv", "out", "up", "down"), "q4_1")
+    stack.add_layer(weights, formats, 0.125, 0, 0)
+    for change, format_change, message in [
+        ({}, dict(qkv="q5_0"), "layer 1's qkv linear: format must be one of"),
+        (dict(down=torch.zeros(256, 16 * 18, dtype=torch.uint8)), {},
          "layer 1's down linear: qweight has 288 bytes per row but in_features = 512"),
-        (dict(qkv_weight=torch.zeros(500, 160, dtype=torch.uint8)),
-         "layer 1's qkv_weight must have (num_heads + 2 * num_kv_heads) * head_dim = 512 rows"),
-        (dict(attn_norm_weight=torch.ones(256).bfloat16()), "layer 1's attn_norm_weight is "
-                                                             "BFloat16"),
+        (dict(qkv=torch.zeros(500, 160, dtype=torch.uint8)), {},
+         "layer 1's qkv must have (num_heads + 2 * num_kv_heads) * head_dim = 512 rows"),
+        (dict(attn_norm=torch.ones(256).bfloat16()), {}, "layer 1's attn_norm is BFloat16"),
+        ({}, dict(out=None), "layer 1's out is Byte on cpu; the stack's tensors must be Float"),
     ]:
+        layer_formats = {k: v for k, v in {**formats, **format_change}.items() if v is not None}
         with pytest.raises(RuntimeError, match=re.escape(message)):
-            stack.add_quantized_layer(*{**args, **change}.values())
+            stack.add_layer({**weights, **change}, layer_formats, 0.125, 0, 0)
     assert stack.num_layers() == 1
 
 
-def test_mixed_blocks_are_unsupported(gguf_file):
+def test_blocks_mixing_float_and_quantized_linears_run_the_stack(gguf_file):
+    """A block whose qkv is float (its GGUF blocks dequantized) among quantized linears: the
+    stack takes each linear in its own kind, bit for bit against the per-op blocks."""
     loaded = load_model(str(gguf_file))
     block = loaded.model.layers[0]
     qkv = block.attn.qkv
-    replacement = Linear(qkv.in_features, qkv.out_features, qkv.bias is not None)
+    replacement = Linear(qkv.in_features, qkv.out_features, False)
+    replacement.weight.copy_(_float_weight(qkv))
+    replacement.bias = qkv.bias
     block.attn.qkv = replacement
-    assert "both quantized and float linears" in unsupported_reason(loaded.model)
+    assert unsupported_reason(loaded.model) is None
+    (want, _), (got, _) = run_both(loaded, BATCHES["decode_4"])
+    assert torch.equal(got, want)
 
 
 # --- the quantized embedding op ------------------------------------------------------------------
