@@ -11,7 +11,9 @@ import torch
 
 from . import _C  # noqa: F401  (loads the library that registers torch.ops.orca)
 
-ACTIVATIONS = ("none", "gelu_tanh", "relu", "silu_and_mul")
+ACTIVATIONS = ("none", "gelu_tanh", "relu", "silu_and_mul", "gelu_tanh_and_mul")
+# Gated activations: weight rows are gate rows then up rows, and the output is act(gate) * up.
+GATED_ACTIVATIONS = ("silu_and_mul", "gelu_tanh_and_mul")
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -23,7 +25,9 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     The bias, activation and residual (``[T, N]``, e.g. a block's input) run in the GEMM's
     epilogue. ``silu_and_mul`` takes ``weight [2I, K]`` (gate rows, then up rows) and returns
-    ``silu(gate) * up`` of shape ``[T, I]``. ``norm`` normalizes the input rows first, as the
+    ``silu(gate) * up`` of shape ``[T, I]`` (Llama's MLP); ``gelu_tanh_and_mul`` likewise
+    returns ``gelu_tanh(gate) * up`` (Gemma's), ``gelu_tanh`` being
+    ``F.gelu(approximate="tanh")``. ``norm`` normalizes the input rows first, as the
     block's norm before this linear would: ``layer_norm`` (``norm_weight``, optional
     ``norm_bias``, ``[K]``) or ``rms_norm`` (Llama's: normalized in float32, cast to the dtype,
     then scaled by ``norm_weight``).
@@ -70,7 +74,7 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 @torch.library.register_fake("orca::packed_linear")
 def _packed_linear_fake(x, weight, bias=None, activation="none", residual=None, norm="none",
                         norm_weight=None, norm_bias=None, norm_eps=1e-5):
-    n = weight.shape[0] // 2 if activation == "silu_and_mul" else weight.shape[0]
+    n = weight.shape[0] // 2 if activation in GATED_ACTIVATIONS else weight.shape[0]
     return x.new_empty((x.shape[0], n))
 
 
@@ -123,7 +127,7 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, format: str, in_fea
 def _quantized_linear_fake(x, qweight, format, in_features, bias=None, activation="none",
                            residual=None, norm="none", norm_weight=None, norm_bias=None,
                            norm_eps=1e-5, int8_activations=True):
-    n = qweight.shape[0] // 2 if activation == "silu_and_mul" else qweight.shape[0]
+    n = qweight.shape[0] // 2 if activation in GATED_ACTIVATIONS else qweight.shape[0]
     return x.new_empty((x.shape[0], n))
 
 

@@ -19,6 +19,9 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     elif activation == "silu_and_mul":
         gate, up = y.chunk(2, dim=-1)
         y = F.silu(gate) * up
+    elif activation == "gelu_tanh_and_mul":
+        gate, up = y.chunk(2, dim=-1)
+        y = F.gelu(gate, approximate="tanh") * up
     return y if residual is None else y + residual.double()
 
 

@@ -271,7 +271,7 @@ def test_store_kv_out_of_range_slots_skipped():
 # ---------------------------------------------------------------------------- packed_linear
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("activation", ["none", "gelu_tanh", "relu", "silu_and_mul"])
+@pytest.mark.parametrize("activation", ops.ACTIVATIONS)
 @pytest.mark.parametrize("T", [1, 3, 8, 9, 64])       # skinny kernel up to 8, cuBLASLt above
 @pytest.mark.parametrize("K", [256, 100])              # 100: not a multiple of 8 -> cuBLASLt
 def test_packed_linear_paths(dtype, activation, T, K):
@@ -288,7 +288,7 @@ def test_packed_linear_paths(dtype, activation, T, K):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("activation", ["none", "gelu_tanh", "relu", "silu_and_mul"])
+@pytest.mark.parametrize("activation", ops.ACTIVATIONS)
 def test_packed_linear_without_cublaslt_epilogue(monkeypatch, dtype, activation):
     """ORCA_LINEAR_NO_EPILOGUE=1 forces the path taken when cuBLASLt has no algorithm for an
     epilogue: a plain GEMM, then the elementwise bias + activation kernel."""
@@ -349,7 +349,8 @@ def test_opcheck_cuda(dtype):
         torch.library.opcheck(torch.ops.orca.ragged_attention.default, batch.args())
     for T in (2, 40):
         x = torch.randn(T, 64, device="cuda", dtype=dtype)
-        for act, n in [("none", 32), ("gelu_tanh", 32), ("relu", 32), ("silu_and_mul", 64)]:
+        for act, n in [("none", 32), ("gelu_tanh", 32), ("relu", 32), ("silu_and_mul", 64),
+                       ("gelu_tanh_and_mul", 64)]:
             torch.library.opcheck(torch.ops.orca.packed_linear.default,
                                   (x, torch.randn(n, 64, device="cuda", dtype=dtype),
                                    torch.randn(n, device="cuda", dtype=dtype), act))

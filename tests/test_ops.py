@@ -19,7 +19,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 # ---------------------------------------------------------------------------- packed_linear
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("activation", ["none", "gelu_tanh", "relu", "silu_and_mul"])
+@pytest.mark.parametrize("activation", ops.ACTIVATIONS)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("with_residual", [False, True])
 # T <= 8 takes the skinny kernel (K covers its full-step, 16-wide and scalar tails); float32
@@ -36,7 +36,7 @@ def test_packed_linear(device, dtype, activation, with_bias, with_residual, T, K
     x = torch.randn(T, K, generator=gen).to(dtype).to(device)
     w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(device)
     b = torch.randn(N, generator=gen).to(dtype).to(device) if with_bias else None
-    n_out = N // 2 if activation == "silu_and_mul" else N
+    n_out = N // 2 if activation in ops.GATED_ACTIVATIONS else N
     r = torch.randn(T, n_out, generator=gen).to(dtype).to(device) if with_residual else None
     out = ops.packed_linear(x, w, b, activation, r)
     expected = ref.packed_linear(x.cpu(), w.cpu(), None if b is None else b.cpu(), activation,
@@ -47,7 +47,7 @@ def test_packed_linear(device, dtype, activation, with_bias, with_residual, T, K
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm", ["layer_norm", "layer_norm_no_bias", "rms_norm"])
-@pytest.mark.parametrize("activation", ["gelu_tanh", "silu_and_mul"])
+@pytest.mark.parametrize("activation", ["gelu_tanh", "silu_and_mul", "gelu_tanh_and_mul"])
 # Up to 8 rows the norm runs in the op's own loop (its sums over 32, then 16, then single
 # elements: K = 84 has all three), above through ATen (lanes and GEMM paths).
 @pytest.mark.parametrize("T,K,N", [(0, 64, 96), (1, 64, 96), (2, 84, 40), (4, 100, 34),
@@ -58,7 +58,7 @@ def test_packed_linear_input_norm(device, dtype, norm, activation, T, K, N):
     w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(device)
     gamma = (1 + torch.randn(K, generator=gen) / 4).to(dtype).to(device)
     beta = torch.randn(K, generator=gen).to(dtype).to(device) if norm == "layer_norm" else None
-    n_out = N // 2 if activation == "silu_and_mul" else N
+    n_out = N // 2 if activation in ops.GATED_ACTIVATIONS else N
     r = torch.randn(T, n_out, generator=gen).to(dtype).to(device)
     kind = "rms_norm" if norm == "rms_norm" else "layer_norm"
     out = ops.packed_linear(x, w, None, activation, r, kind, gamma, beta, 1e-5)
@@ -77,7 +77,7 @@ def test_packed_linear_noncontiguous_input(device):
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-@pytest.mark.parametrize("activation", ["none", "gelu_tanh", "relu", "silu_and_mul"])
+@pytest.mark.parametrize("activation", ops.ACTIVATIONS)
 def test_packed_linear_float32_gemm_runs_on_onednn(activation):
     x, w = torch.randn(40, 64), torch.randn(96, 64)
     with torch.profiler.profile() as prof:
@@ -261,7 +261,8 @@ def test_opcheck(device):
     batch = random_ragged_batch([3, 1], [3, 20], 4, 2, 32, 4, device=device)
     torch.library.opcheck(torch.ops.orca.ragged_attention.default, batch.args())
     x = torch.randn(5, 16, device=device)
-    for act, n in [("none", 8), ("gelu_tanh", 8), ("silu_and_mul", 16)]:
+    for act, n in [("none", 8), ("gelu_tanh", 8), ("silu_and_mul", 16),
+                   ("gelu_tanh_and_mul", 16)]:
         torch.library.opcheck(torch.ops.orca.packed_linear.default,
                               (x, torch.randn(n, 16, device=device), None, act))
     torch.library.opcheck(torch.ops.orca.packed_linear.default,

@@ -102,6 +102,7 @@ void dispatch_activation(Activation act, const Fn& f) {
     case Activation::kGeluTanh: return f.template operator()<Activation::kGeluTanh>();
     case Activation::kRelu: return f.template operator()<Activation::kRelu>();
     case Activation::kSiluAndMul: return f.template operator()<Activation::kSiluAndMul>();
+    case Activation::kGeluTanhAndMul: return f.template operator()<Activation::kGeluTanhAndMul>();
   }
 }
 

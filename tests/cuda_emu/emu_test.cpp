@@ -412,10 +412,14 @@ double act_ref(double x, Act a) {
   }
 }
 double silu_ref(double x) { return x / (1 + std::exp(-x)); }
+// A gated act's activation of the gate.
+double gate_ref(double x, Act a) {
+  return a == Act::kSiluAndMul ? silu_ref(x) : act_ref(x, Act::kGeluTanh);
+}
 
 template <typename T>
 void test_linear(int Tn, int N, int K, Act act, bool bias_on) {
-  const bool glu = act == Act::kSiluAndMul;
+  const bool glu = act_gated(act);
   const int Nw = glu ? 2 * N : N;
   const int ldx = K + 16 / static_cast<int>(sizeof(T));  // padded rows
   std::vector<T> x(static_cast<size_t>(Tn) * ldx), w(static_cast<size_t>(Nw) * K), b(Nw);
@@ -453,7 +457,7 @@ void test_linear(int Tn, int N, int K, Act act, bool bias_on) {
   double err = 0;
   for (int t = 0; t < Tn; ++t)
     for (int n = 0; n < N; ++n) {
-      const double ref = glu ? silu_ref(dot(t, n)) * dot(t, N + n) : act_ref(dot(t, n), act);
+      const double ref = glu ? gate_ref(dot(t, n), act) * dot(t, N + n) : act_ref(dot(t, n), act);
       const double got = back(out[t * N + n]);
       err = std::max(err, std::isfinite(got) ? std::abs(got - ref) / (1 + std::abs(ref)) : INFINITY);
     }
@@ -470,15 +474,27 @@ void test_epilogues() {
   for (auto& v : y) v = cast<T>(uniform(-3, 3));
   for (auto& v : bias) v = cast<T>(uniform(-1, 1));
   constexpr int kVec = 16 / sizeof(T);
-  orca_emu::launch(dim3(2), dim3(32), 0,
-                   [&] { linear::silu_and_mul_kernel<T, kVec>(y.data(), out.data(), Tn, I); });
   double err = 0;
-  for (int t = 0; t < Tn; ++t)
-    for (int i = 0; i < I; ++i) {
-      const double ref = silu_ref(back(y[t * 2 * I + i])) * back(y[t * 2 * I + I + i]);
-      err = std::max(err, std::abs(back(out[t * I + i]) - ref) / (1 + std::abs(ref)));
+  for (Act act : {Act::kSiluAndMul, Act::kGeluTanhAndMul}) {
+    for (int vec : {kVec, 1}) {
+      std::fill(out.begin(), out.end(), cast<T>(NAN));
+      orca_emu::launch(dim3(2), dim3(32), 0, [&] {
+        if (vec == 1) linear::act_and_mul_kernel<T, 1>(y.data(), out.data(), Tn, I, act);
+        else linear::act_and_mul_kernel<T, kVec>(y.data(), out.data(), Tn, I, act);
+      });
+      err = 0;
+      for (int t = 0; t < Tn; ++t)
+        for (int i = 0; i < I; ++i) {
+          const double ref = gate_ref(back(y[t * 2 * I + i]), act) * back(y[t * 2 * I + I + i]);
+          const double got = back(out[t * I + i]);
+          err = std::max(err, std::isfinite(got) ? std::abs(got - ref) / (1 + std::abs(ref))
+                                                 : INFINITY);
+        }
+      report(std::string(act == Act::kSiluAndMul ? "silu_and_mul " : "gelu_tanh_and_mul ") +
+                 name_of<T>() + " vec=" + std::to_string(vec),
+             err, std::is_same_v<T, float> ? 1e-5 : 1e-2);
     }
-  report(std::string("silu_and_mul ") + name_of<T>(), err, std::is_same_v<T, float> ? 1e-5 : 1e-2);
+  }
   std::vector<T> z = y;
   orca_emu::launch(dim3(3), dim3(32), 0, [&] {
     linear::bias_act_kernel<T>(z.data(), bias.data(), Tn, 2 * I, Act::kGeluTanh);
@@ -494,11 +510,12 @@ void test_epilogues() {
 
 template <typename T>
 void linear_suite() {
-  for (Act a : {Act::kNone, Act::kGeluTanh, Act::kRelu, Act::kSiluAndMul}) {
+  for (Act a : {Act::kNone, Act::kGeluTanh, Act::kRelu, Act::kSiluAndMul, Act::kGeluTanhAndMul}) {
     test_linear<T>(1, 9, 64, a, true);
     test_linear<T>(5, 6, 136, a, a != Act::kRelu);
   }
   test_linear<T>(8, 7, 512, Act::kSiluAndMul, false);
+  test_linear<T>(8, 7, 512, Act::kGeluTanhAndMul, false);
   test_epilogues<T>();
 }
 
