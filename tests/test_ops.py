@@ -129,7 +129,7 @@ MIXES = {
 @pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
-@pytest.mark.parametrize("head_dim", [32, 40, 64, 80, 96, 128])  # 40: the scalar path
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 80, 96, 128, 256])  # 40: the scalar path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ragged_attention_grid(device, mix, block_size, heads, head_dim, dtype):
     """bfloat16 too: on CPUs with AVX512-BF16, prefill-like rows take the bf16 pair kernels."""
@@ -233,8 +233,8 @@ def test_ragged_attention_isa_grid(attention_isa, mix, block_size, heads):
     check_attention_bf16(*ISA_MIXES[mix], heads, 64, block_size)
 
 
-# 32, 64, 96, 128: AMX tiles (K steps of 32 dims); 80: the bf16 pair kernels under amx.
-@pytest.mark.parametrize("head_dim", [32, 80, 96, 128])
+# 32, 64, 96, 128, 256: AMX tiles (K steps of 32 dims); 80: the bf16 pair kernels under amx.
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 128, 256])
 @pytest.mark.parametrize("mix", ["chunked", "mixed"])
 def test_ragged_attention_isa_head_dims(attention_isa, head_dim, mix):
     check_attention_bf16(*ISA_MIXES[mix], (9, 3), head_dim, 16)

@@ -204,6 +204,7 @@ void dispatch_head_dim(int64_t head_dim, const F& f) {
     case 80: return f.template operator()<80>();
     case 96: return f.template operator()<96>();
     case 128: return f.template operator()<128>();
+    case 256: return f.template operator()<256>();
     default: return f.template operator()<0>();
   }
 }

@@ -99,7 +99,8 @@ constexpr int64_t kMaxAmxRows = 128;
 // Whether the path runs head_dim on the AMX kernels for bfloat16 (and so takes wide items).
 inline bool amx_head_dim(AttentionIsa isa, int64_t head_dim) {
   return isa == AttentionIsa::kAmx &&
-         (head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128);
+         (head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128 ||
+          head_dim == 256);
 }
 
 // Whether this build and CPU run the path: the bf16 pair kernels are compiled in where the build
