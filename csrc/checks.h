@@ -62,7 +62,8 @@ inline AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tens
                                              const at::Tensor& v_cache,
                                              const at::Tensor& cu_q_lens,
                                              const at::Tensor& context_lens,
-                                             const at::Tensor& block_table, double scale) {
+                                             const at::Tensor& block_table, double scale,
+                                             int64_t window = 0) {
   check_dim(q, "q", 3, "[T, Hq, D]");
   check_dim(k_cache, "k_cache", 4, "[num_blocks, block_size, Hkv, D]");
   check_float_dtype(q, "q");
@@ -99,6 +100,7 @@ inline AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tens
               s.head_dim);
   TORCH_CHECK(std::isfinite(scale) && scale > 0, "scale must be a finite positive number, got ",
               scale);
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window), got ", window);
   return s;
 }
 

@@ -19,7 +19,7 @@ TORCH_LIBRARY(orca, m) {
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()");
   m.def("ragged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_q_lens, "
-        "Tensor context_lens, Tensor block_table, float scale) -> Tensor");
+        "Tensor context_lens, Tensor block_table, float scale, int window=0) -> Tensor");
   // A model's decoder blocks prepared once for decode steps on the CPU (cpu/decoder_stack.h).
   m.class_<orca::DecoderStack>("DecoderStack")
       .def(torch::init<std::string, double, std::string, int64_t, int64_t, int64_t>(), "",

@@ -55,12 +55,17 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cu_q_lens: torch.Tensor, context_lens: torch.Tensor,
-                     block_table: torch.Tensor, scale: float) -> torch.Tensor:
+                     block_table: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     """Split-and-merge causal attention of packed queries ``q [T, Hq, D]`` over paged KV.
 
     Request ``r`` owns query rows ``cu_q_lens[r]:cu_q_lens[r+1]``; its query ``i`` sits at
-    position ``context_lens[r] - q_len + i`` and attends to KV positions ``0..pos`` found through
-    ``block_table[r]``. Returns ``[T, Hq, D]`` in packed order.
+    position ``pos = context_lens[r] - q_len + i`` and attends to KV positions ``0..pos`` found
+    through ``block_table[r]``. Returns ``[T, Hq, D]`` in packed order.
+
+    ``window > 0`` is a sliding window (Mistral's, Gemma 3's local layers, as Hugging Face
+    defines it): the query at ``pos`` attends to positions ``j`` with ``pos - window < j <= pos``
+    only, and KV before every query's window is not read. ``window = 0`` attends to all of
+    ``0..pos``.
 
     On CPU, bfloat16 prefill-like rows run the best kernel path this build and CPU have
     (``orca_ext._C.attention_isas()`` lists them: AMX tiles where the CPU has AMX-BF16 and the
@@ -68,7 +73,7 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``ORCA_ATTENTION_ISA=portable|avx512bf16|amx`` forces one.
     """
     return torch.ops.orca.ragged_attention(q, k_cache, v_cache, cu_q_lens, context_lens,
-                                           block_table, scale)
+                                           block_table, scale, window)
 
 
 @torch.library.register_fake("orca::packed_linear")
@@ -89,7 +94,8 @@ def _store_kv_fake(key, value, k_cache, v_cache, slot_mapping):
 
 
 @torch.library.register_fake("orca::ragged_attention")
-def _ragged_attention_fake(q, k_cache, v_cache, cu_q_lens, context_lens, block_table, scale):
+def _ragged_attention_fake(q, k_cache, v_cache, cu_q_lens, context_lens, block_table, scale,
+                           window=0):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

@@ -38,8 +38,9 @@ def assert_close(actual, expected, dtype):
     torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=atol, rtol=rtol)
 
 
-def reference(batch):
-    return ref.ragged_attention(*(a.cpu() if torch.is_tensor(a) else a for a in batch.args()))
+def reference(batch, window=0):
+    return ref.ragged_attention(*(a.cpu() if torch.is_tensor(a) else a for a in batch.args()),
+                                window)
 
 
 def device_reference(batch):
@@ -121,6 +122,19 @@ def test_attention_tensor_cores(dtype, head_dim, mix, heads, block_size):
 def test_attention_other_head_dims(dtype, head_dim):
     batch = random_ragged_batch(*MIXES["mixed"], 4, 2, head_dim, 16, dtype=dtype, device="cuda")
     assert_close(ops.ragged_attention(*batch.args()), reference(batch), dtype)
+
+
+@pytest.mark.parametrize("window", [1, 3, 100, 600, 5000])
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float16, 128),
+                                            (torch.bfloat16, 256), (torch.float32, 64)])
+def test_attention_window(dtype, head_dim, mix, window):
+    """Sliding windows on the tensor-core kernels (splits over the windows' spans, merges of the
+    splits a row's window reaches) and the simple kernel (256, float32)."""
+    batch = random_ragged_batch(*MIXES[mix], 8, 2, head_dim, 16, dtype=dtype, device="cuda")
+    out = ops.ragged_attention(*batch.args(), window)
+    assert torch.isfinite(out).all()
+    assert_close(out, reference(batch, window), dtype)
 
 
 def test_attention_wide_block_table():

@@ -44,6 +44,7 @@ ATTENTION_CASES = {
                               "needs 3 blocks of 4 but block_table has 1 columns"),
     "block_table rows": (lambda a: dict(block_table=a["block_table"][:1]), "block_table must have B = 2 rows"),
     "bad scale": (lambda a: dict(scale=float("nan")), "scale must be a finite positive number"),
+    "negative window": (lambda a: dict(window=-3), "window must be >= 0 (0: no sliding window), got -3"),
 }
 
 

@@ -48,6 +48,7 @@ struct AttentionParams {
   int32_t block_shift;  // log2(block_size) when it is a power of two, else -1
   int32_t max_context; // attention_max_context(): context_lens are clamped to [0, max_context]
   int32_t max_splits;  // most KV splits of one request (plan); 1 = no split, no merge
+  int32_t window;      // sliding window: the query at pos sees keys (pos - window, pos]; 0: none
   float scale_log2;    // softmax scale * log2(e)
 };
 
