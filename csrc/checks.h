@@ -83,7 +83,8 @@ inline AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tens
                                              const at::Tensor& v_cache,
                                              const at::Tensor& cu_q_lens,
                                              const at::Tensor& context_lens,
-                                             const at::Tensor& block_table, double scale) {
+                                             const at::Tensor& block_table, double scale,
+                                             int64_t window = 0) {
   check_dim(q, "q", 3, "[T, Hq, D]");
   check_dim(k_cache, "k_cache", 4, "[num_blocks, block_size, Hkv, D]");
   check_float_dtype(q, "q");
@@ -120,6 +121,7 @@ inline AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tens
               s.head_dim);
   TORCH_CHECK(std::isfinite(scale) && scale > 0, "scale must be a finite positive number, got ",
               scale);
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window), got ", window);
   return s;
 }
 
@@ -151,18 +153,22 @@ inline void check_store_kv_inputs(const at::Tensor& key, const at::Tensor& value
   }
 }
 
-enum class Activation { kNone, kGeluTanh, kRelu, kSiluAndMul };
+enum class Activation { kNone, kGeluTanh, kRelu, kSiluAndMul, kGeluTanhAndMul };
 
-// Whether the activation halves the output (gate rows, then up rows).
-inline bool gated(Activation act) { return act == Activation::kSiluAndMul; }
+// Gated activations: the weight's rows are gate rows then up rows, the output act(gate) * up
+// (silu for Llama's MLP, gelu_tanh for Gemma's), half as wide.
+constexpr bool is_gated(Activation act) {
+  return act == Activation::kSiluAndMul || act == Activation::kGeluTanhAndMul;
+}
 
 inline Activation parse_activation(c10::string_view name) {
   if (name == "none") return Activation::kNone;
   if (name == "gelu_tanh") return Activation::kGeluTanh;
   if (name == "relu") return Activation::kRelu;
   if (name == "silu_and_mul") return Activation::kSiluAndMul;
-  TORCH_CHECK(false, "activation must be one of 'none', 'gelu_tanh', 'relu', 'silu_and_mul', got '",
-              std::string(name), "'");
+  if (name == "gelu_tanh_and_mul") return Activation::kGeluTanhAndMul;
+  TORCH_CHECK(false, "activation must be one of 'none', 'gelu_tanh', 'relu', 'silu_and_mul', "
+              "'gelu_tanh_and_mul', got '", std::string(name), "'");
 }
 
 // packed_linear's optional norm of its input rows (the norm before the linear in a block).
@@ -214,8 +220,9 @@ inline at::Tensor normalize_rows(const at::Tensor& x, const InputNorm& norm) {
   return *norm.weight * (h * at::rsqrt(h.square().mean(-1, true) + norm.eps)).to(x.scalar_type());
 }
 
-// What a linear with N output rows of `weight_name` checks beyond its weight: silu_and_mul's
-// even row count, the bias [N], the residual (the output's shape) and the input norm.
+// What a linear with N output rows of `weight_name` checks beyond its weight: a gated
+// activation's even row count, the bias [N], the residual (the output's shape) and the input
+// norm.
 inline InputNorm check_epilogue_inputs(const at::Tensor& x, int64_t N, const char* weight_name,
                                        Activation act, const std::optional<at::Tensor>& bias,
                                        const std::optional<at::Tensor>& residual,
@@ -223,9 +230,11 @@ inline InputNorm check_epilogue_inputs(const at::Tensor& x, int64_t N, const cha
                                        const std::optional<at::Tensor>& norm_weight,
                                        const std::optional<at::Tensor>& norm_bias,
                                        double norm_eps) {
-  if (act == Activation::kSiluAndMul) {
-    TORCH_CHECK(N % 2 == 0, "silu_and_mul needs ", weight_name, " with 2I rows (gate rows then "
-                "up rows), got an odd number of rows: ", N);
+  if (is_gated(act)) {
+    TORCH_CHECK(N % 2 == 0,
+                act == Activation::kSiluAndMul ? "silu_and_mul" : "gelu_tanh_and_mul", " needs ",
+                weight_name, " with 2I rows (gate rows then up rows), got an odd number of rows: ",
+                N);
   }
   if (bias.has_value()) {
     check_dim(*bias, "bias", 1, "[N]");
@@ -235,7 +244,7 @@ inline InputNorm check_epilogue_inputs(const at::Tensor& x, int64_t N, const cha
                 " has N = ", N, " rows");
   }
   if (residual.has_value()) {
-    const int64_t n_out = act == Activation::kSiluAndMul ? N / 2 : N;
+    const int64_t n_out = is_gated(act) ? N / 2 : N;
     check_same_dtype(*residual, "residual", x, "x");
     check_same_device(*residual, "residual", x, "x");
     TORCH_CHECK(residual->dim() == 2 && residual->size(0) == x.size(0) &&

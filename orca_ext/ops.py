@@ -11,7 +11,9 @@ import torch
 
 from . import _C  # noqa: F401  (loads the library that registers torch.ops.orca)
 
-ACTIVATIONS = ("none", "gelu_tanh", "relu", "silu_and_mul")
+ACTIVATIONS = ("none", "gelu_tanh", "relu", "silu_and_mul", "gelu_tanh_and_mul")
+# Gated activations: weight rows are gate rows then up rows, and the output is act(gate) * up.
+GATED_ACTIVATIONS = ("silu_and_mul", "gelu_tanh_and_mul")
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -23,7 +25,9 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     The bias, activation and residual (``[T, N]``, e.g. a block's input) run in the GEMM's
     epilogue. ``silu_and_mul`` takes ``weight [2I, K]`` (gate rows, then up rows) and returns
-    ``silu(gate) * up`` of shape ``[T, I]``. ``norm`` normalizes the input rows first, as the
+    ``silu(gate) * up`` of shape ``[T, I]`` (Llama's MLP); ``gelu_tanh_and_mul`` likewise
+    returns ``gelu_tanh(gate) * up`` (Gemma's), ``gelu_tanh`` being
+    ``F.gelu(approximate="tanh")``. ``norm`` normalizes the input rows first, as the
     block's norm before this linear would: ``layer_norm`` (``norm_weight``, optional
     ``norm_bias``, ``[K]``) or ``rms_norm`` (Llama's: normalized in float32, cast to the dtype,
     then scaled by ``norm_weight``).
@@ -55,8 +59,13 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Split-and-merge causal attention of packed queries ``q [T, Hq, D]`` over paged KV.
 
     Request ``r`` owns query rows ``cu_q_lens[r]:cu_q_lens[r+1]``; its query ``i`` sits at
-    position ``context_lens[r] - q_len + i`` and attends to KV positions ``0..pos`` found through
-    ``block_table[r]``. Returns ``[T, Hq, D]`` in packed order.
+    position ``pos = context_lens[r] - q_len + i`` and attends to KV positions ``0..pos`` found
+    through ``block_table[r]``. Returns ``[T, Hq, D]`` in packed order.
+
+    ``window > 0`` is a sliding window (Mistral's, Gemma 3's local layers, as Hugging Face
+    defines it): the query at ``pos`` attends to positions ``j`` with ``pos - window < j <= pos``
+    only, and KV before every query's window is not read. ``window = 0`` attends to all of
+    ``0..pos``.
 
     On CPU, bfloat16 prefill-like rows run the best kernel path this build and CPU have
     (``orca_ext._C.attention_isas()`` lists them: AMX tiles where the CPU has AMX-BF16 and the
@@ -84,7 +93,7 @@ def _rms_norm_fake(x, weight, eps, residual=None):
 @torch.library.register_fake("orca::packed_linear")
 def _packed_linear_fake(x, weight, bias=None, activation="none", residual=None, norm="none",
                         norm_weight=None, norm_bias=None, norm_eps=1e-5):
-    n = weight.shape[0] // 2 if activation == "silu_and_mul" else weight.shape[0]
+    n = weight.shape[0] // 2 if activation in GATED_ACTIVATIONS else weight.shape[0]
     return x.new_empty((x.shape[0], n))
 
 
@@ -138,7 +147,7 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, format: str, in_fea
 def _quantized_linear_fake(x, qweight, format, in_features, bias=None, activation="none",
                            residual=None, norm="none", norm_weight=None, norm_bias=None,
                            norm_eps=1e-5, int8_activations=True):
-    n = qweight.shape[0] // 2 if activation == "silu_and_mul" else qweight.shape[0]
+    n = qweight.shape[0] // 2 if activation in GATED_ACTIVATIONS else qweight.shape[0]
     return x.new_empty((x.shape[0], n))
 
 

@@ -19,6 +19,9 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     elif activation == "silu_and_mul":
         gate, up = y.chunk(2, dim=-1)
         y = F.silu(gate) * up
+    elif activation == "gelu_tanh_and_mul":
+        gate, up = y.chunk(2, dim=-1)
+        y = F.gelu(gate, approximate="tanh") * up
     return y if residual is None else y + residual.double()
 
 
@@ -51,7 +54,9 @@ def gather_kv(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> torc
 
 
 def ragged_attention(q, k_cache, v_cache, cu_q_lens, context_lens, block_table,
-                     scale: float) -> torch.Tensor:
+                     scale: float, window: int = 0) -> torch.Tensor:
+    """Query ``i`` of a request sees the keys ``j`` with ``pos - window < j <= pos`` (all
+    ``j <= pos`` for ``window = 0``), ``pos = context_len - q_len + i``."""
     out = torch.empty(q.shape, dtype=torch.float64)
     group = q.shape[1] // k_cache.shape[2]
     cu = cu_q_lens.tolist()
@@ -64,6 +69,10 @@ def ragged_attention(q, k_cache, v_cache, cu_q_lens, context_lens, block_table,
         v = gather_kv(v_cache, block_table[r], ctx).double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q_r, k) * scale
         q_pos = torch.arange(ctx - q_len, ctx)[:, None]
-        scores.masked_fill_(torch.arange(ctx)[None, :] > q_pos, -math.inf)
+        k_pos = torch.arange(ctx)[None, :]
+        hidden = k_pos > q_pos
+        if window > 0:
+            hidden |= k_pos <= q_pos - window
+        scores.masked_fill_(hidden, -math.inf)
         out[cu[r]:cu[r + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out

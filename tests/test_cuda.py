@@ -38,8 +38,9 @@ def assert_close(actual, expected, dtype):
     torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=atol, rtol=rtol)
 
 
-def reference(batch):
-    return ref.ragged_attention(*(a.cpu() if torch.is_tensor(a) else a for a in batch.args()))
+def reference(batch, window=0):
+    return ref.ragged_attention(*(a.cpu() if torch.is_tensor(a) else a for a in batch.args()),
+                                window)
 
 
 def device_reference(batch):
@@ -121,6 +122,19 @@ def test_attention_tensor_cores(dtype, head_dim, mix, heads, block_size):
 def test_attention_other_head_dims(dtype, head_dim):
     batch = random_ragged_batch(*MIXES["mixed"], 4, 2, head_dim, 16, dtype=dtype, device="cuda")
     assert_close(ops.ragged_attention(*batch.args()), reference(batch), dtype)
+
+
+@pytest.mark.parametrize("window", [1, 3, 100, 600, 5000])
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float16, 128),
+                                            (torch.bfloat16, 256), (torch.float32, 64)])
+def test_attention_window(dtype, head_dim, mix, window):
+    """Sliding windows on the tensor-core kernels (splits over the windows' spans, merges of the
+    splits a row's window reaches) and the simple kernel (256, float32)."""
+    batch = random_ragged_batch(*MIXES[mix], 8, 2, head_dim, 16, dtype=dtype, device="cuda")
+    out = ops.ragged_attention(*batch.args(), window)
+    assert torch.isfinite(out).all()
+    assert_close(out, reference(batch, window), dtype)
 
 
 def test_attention_wide_block_table():
@@ -271,7 +285,7 @@ def test_store_kv_out_of_range_slots_skipped():
 # ---------------------------------------------------------------------------- packed_linear
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("activation", ["none", "gelu_tanh", "relu", "silu_and_mul"])
+@pytest.mark.parametrize("activation", ops.ACTIVATIONS)
 @pytest.mark.parametrize("T", [1, 3, 8, 9, 64])       # skinny kernel up to 8, cuBLASLt above
 @pytest.mark.parametrize("K", [256, 100])              # 100: not a multiple of 8 -> cuBLASLt
 def test_packed_linear_paths(dtype, activation, T, K):
@@ -288,7 +302,7 @@ def test_packed_linear_paths(dtype, activation, T, K):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("activation", ["none", "gelu_tanh", "relu", "silu_and_mul"])
+@pytest.mark.parametrize("activation", ops.ACTIVATIONS)
 def test_packed_linear_without_cublaslt_epilogue(monkeypatch, dtype, activation):
     """ORCA_LINEAR_NO_EPILOGUE=1 forces the path taken when cuBLASLt has no algorithm for an
     epilogue: a plain GEMM, then the elementwise bias + activation kernel."""
@@ -349,7 +363,8 @@ def test_opcheck_cuda(dtype):
         torch.library.opcheck(torch.ops.orca.ragged_attention.default, batch.args())
     for T in (2, 40):
         x = torch.randn(T, 64, device="cuda", dtype=dtype)
-        for act, n in [("none", 32), ("gelu_tanh", 32), ("relu", 32), ("silu_and_mul", 64)]:
+        for act, n in [("none", 32), ("gelu_tanh", 32), ("relu", 32), ("silu_and_mul", 64),
+                       ("gelu_tanh_and_mul", 64)]:
             torch.library.opcheck(torch.ops.orca.packed_linear.default,
                                   (x, torch.randn(n, 64, device="cuda", dtype=dtype),
                                    torch.randn(n, device="cuda", dtype=dtype), act))

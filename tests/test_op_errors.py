@@ -44,6 +44,7 @@ ATTENTION_CASES = {
                               "needs 3 blocks of 4 but block_table has 1 columns"),
     "block_table rows": (lambda a: dict(block_table=a["block_table"][:1]), "block_table must have B = 2 rows"),
     "bad scale": (lambda a: dict(scale=float("nan")), "scale must be a finite positive number"),
+    "negative window": (lambda a: dict(window=-3), "window must be >= 0 (0: no sliding window), got -3"),
 }
 
 
@@ -80,8 +81,10 @@ def test_packed_linear_errors():
     x, w = torch.randn(4, 8), torch.randn(6, 8)
     cases = [
         ((x, torch.randn(6, 7), None, "none"), r"weight.size\(1\) must equal x.size\(1\)"),
-        ((x, w, None, "swish"), "activation must be one of"),
+        ((x, w, None, "swish"), "activation must be one of 'none', 'gelu_tanh', 'relu', "
+                                "'silu_and_mul', 'gelu_tanh_and_mul', got 'swish'"),
         ((x, torch.randn(5, 8), None, "silu_and_mul"), "silu_and_mul needs weight"),
+        ((x, torch.randn(5, 8), None, "gelu_tanh_and_mul"), "gelu_tanh_and_mul needs weight"),
         ((x, w, torch.randn(5), "none"), "bias has 5 entries but weight has N = 6"),
         ((x.int(), w, None, "none"), "x must be float32, bfloat16 or float16"),
         ((x, w.half(), None, "relu"), "weight has dtype Half but x has dtype Float"),

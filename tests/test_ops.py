@@ -21,7 +21,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 # ---------------------------------------------------------------------------- packed_linear
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("activation", ["none", "gelu_tanh", "relu", "silu_and_mul"])
+@pytest.mark.parametrize("activation", ops.ACTIVATIONS)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("with_residual", [False, True])
 # T <= 8 takes the skinny kernel (K covers its full-step, 16-wide and scalar tails); float32
@@ -38,7 +38,7 @@ def test_packed_linear(device, dtype, activation, with_bias, with_residual, T, K
     x = torch.randn(T, K, generator=gen).to(dtype).to(device)
     w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(device)
     b = torch.randn(N, generator=gen).to(dtype).to(device) if with_bias else None
-    n_out = N // 2 if activation == "silu_and_mul" else N
+    n_out = N // 2 if activation in ops.GATED_ACTIVATIONS else N
     r = torch.randn(T, n_out, generator=gen).to(dtype).to(device) if with_residual else None
     out = ops.packed_linear(x, w, b, activation, r)
     expected = ref.packed_linear(x.cpu(), w.cpu(), None if b is None else b.cpu(), activation,
@@ -49,7 +49,7 @@ def test_packed_linear(device, dtype, activation, with_bias, with_residual, T, K
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm", ["layer_norm", "layer_norm_no_bias", "rms_norm"])
-@pytest.mark.parametrize("activation", ["gelu_tanh", "silu_and_mul"])
+@pytest.mark.parametrize("activation", ["gelu_tanh", "silu_and_mul", "gelu_tanh_and_mul"])
 # Up to 8 rows the norm runs in the op's own loop (its sums over 32, then 16, then single
 # elements: K = 84 has all three), above through ATen (lanes and GEMM paths).
 @pytest.mark.parametrize("T,K,N", [(0, 64, 96), (1, 64, 96), (2, 84, 40), (4, 100, 34),
@@ -60,7 +60,7 @@ def test_packed_linear_input_norm(device, dtype, norm, activation, T, K, N):
     w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(device)
     gamma = (1 + torch.randn(K, generator=gen) / 4).to(dtype).to(device)
     beta = torch.randn(K, generator=gen).to(dtype).to(device) if norm == "layer_norm" else None
-    n_out = N // 2 if activation == "silu_and_mul" else N
+    n_out = N // 2 if activation in ops.GATED_ACTIVATIONS else N
     r = torch.randn(T, n_out, generator=gen).to(dtype).to(device)
     kind = "rms_norm" if norm == "rms_norm" else "layer_norm"
     out = ops.packed_linear(x, w, None, activation, r, kind, gamma, beta, 1e-5)
@@ -79,7 +79,7 @@ def test_packed_linear_noncontiguous_input(device):
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-@pytest.mark.parametrize("activation", ["none", "gelu_tanh", "relu", "silu_and_mul"])
+@pytest.mark.parametrize("activation", ops.ACTIVATIONS)
 def test_packed_linear_float32_gemm_runs_on_onednn(activation):
     x, w = torch.randn(40, 64), torch.randn(96, 64)
     with torch.profiler.profile() as prof:
@@ -131,7 +131,7 @@ MIXES = {
 @pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
-@pytest.mark.parametrize("head_dim", [32, 40, 64, 80, 96, 128])  # 40: the scalar path
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 80, 96, 128, 256])  # 40: the scalar path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ragged_attention_grid(device, mix, block_size, heads, head_dim, dtype):
     """bfloat16 too: on CPUs with AVX512-BF16, prefill-like rows take the bf16 pair kernels."""
@@ -193,6 +193,71 @@ def test_ragged_attention_noncontiguous_q(device):
     torch.testing.assert_close(out, ops.ragged_attention(*batch.args()))
 
 
+# ------------------------------------------------------------- ragged_attention's sliding window
+
+# Decodes over long contexts (split KV ranges), a fresh prefill, and prefills over cached KV
+# mixed with decodes; windows of 1 and 3 (a query sees itself and its last keys), windows that
+# end inside the contexts, and 4096, longer than all of them.
+WINDOW_MIXES = {
+    "decode": ([1, 1, 1, 1], [1, 17, 600, 3000]),
+    "prefill": ([150], [150]),
+    "mixed": ([1, 40, 1, 130, 1], [70, 40, 3, 700, 2500]),
+}
+WINDOWS = [1, 3, 100, 512, 4096]
+
+
+def attention_reference(batch, window):
+    return ref.ragged_attention(*(a.cpu() if torch.is_tensor(a) else a for a in batch.args()),
+                                window)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("mix", list(WINDOW_MIXES))
+@pytest.mark.parametrize("head_dim", [40, 64, 128, 256])  # 40: the scalar path
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ragged_attention_window(device, dtype, head_dim, mix, window):
+    batch = random_ragged_batch(*WINDOW_MIXES[mix], 8, 2, head_dim, 16, dtype=dtype,
+                                device=device)
+    out = ops.ragged_attention(*batch.args(), window)
+    assert_close(out, attention_reference(batch, window), dtype)
+
+
+@pytest.mark.parametrize("window", [1, 7, 64])
+@pytest.mark.parametrize("block_size", [1, 64])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 1)])
+def test_ragged_attention_window_layouts(device, window, block_size, heads):
+    batch = random_ragged_batch(*WINDOW_MIXES["mixed"], *heads, 64, block_size, device=device)
+    out = ops.ragged_attention(*batch.args(), window)
+    assert_close(out, attention_reference(batch, window), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_attention_window_skips_unseen_kv(device, dtype):
+    """KV before each request's first query's window is never read: NaNs there (a sliding
+    window layer's cache past its window) leave every output finite and as without them."""
+    q_lens, ctx, window = [1, 1, 300, 1], [4000, 90, 2100, 64], 200
+    batch = random_ragged_batch(q_lens, ctx, 8, 2, 64, 16, dtype=dtype, device=device)
+    expected = attention_reference(batch, window)
+    block_size = batch.k_cache.shape[1]
+    for r, (q_len, c) in enumerate(zip(q_lens, ctx)):
+        first_seen = max(0, c - q_len - window + 1)
+        for j in range(first_seen):
+            block = batch.block_table[r, j // block_size]
+            batch.k_cache[block, j % block_size] = float("nan")
+            batch.v_cache[block, j % block_size] = float("nan")
+    out = ops.ragged_attention(*batch.args(), window)
+    assert out.isfinite().all()
+    assert_close(out, expected, dtype)
+
+
+def test_ragged_attention_window_past_contexts_is_none(device):
+    """A window no context reaches hides nothing: window 0's result, bit for bit."""
+    batch = random_ragged_batch(*WINDOW_MIXES["mixed"], 8, 2, 64, 16, dtype=torch.bfloat16,
+                                device=device)
+    assert torch.equal(ops.ragged_attention(*batch.args(), 2500),
+                       ops.ragged_attention(*batch.args()))
+
+
 # ------------------------------------------------ ragged_attention's CPU bfloat16 kernel paths
 
 ATTENTION_ISAS = ["portable", "avx512bf16", "amx"]
@@ -235,11 +300,21 @@ def test_ragged_attention_isa_grid(attention_isa, mix, block_size, heads):
     check_attention_bf16(*ISA_MIXES[mix], heads, 64, block_size)
 
 
-# 32, 64, 96, 128: AMX tiles (K steps of 32 dims); 80: the bf16 pair kernels under amx.
-@pytest.mark.parametrize("head_dim", [32, 80, 96, 128])
+# 32, 64, 96, 128, 256: AMX tiles (K steps of 32 dims); 80: the bf16 pair kernels under amx.
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 128, 256])
 @pytest.mark.parametrize("mix", ["chunked", "mixed"])
 def test_ragged_attention_isa_head_dims(attention_isa, head_dim, mix):
     check_attention_bf16(*ISA_MIXES[mix], (9, 3), head_dim, 16)
+
+
+# Windows inside a KV tile (1, 3), across tiles and splits (100, 512), past the contexts (4096).
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("mix", ["short", "chunked", "mixed", "split", "long"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_ragged_attention_isa_window(attention_isa, window, mix, head_dim):
+    batch = random_ragged_batch(*ISA_MIXES[mix], 9, 3, head_dim, 16, dtype=torch.bfloat16)
+    out = ops.ragged_attention(*batch.args(), window)
+    assert_close(out, ref.ragged_attention(*batch.args(), window), torch.bfloat16)
 
 
 def test_ragged_attention_isa_errors(monkeypatch):
@@ -302,8 +377,10 @@ def test_rms_norm_errors():
 def test_opcheck(device):
     batch = random_ragged_batch([3, 1], [3, 20], 4, 2, 32, 4, device=device)
     torch.library.opcheck(torch.ops.orca.ragged_attention.default, batch.args())
+    torch.library.opcheck(torch.ops.orca.ragged_attention.default, (*batch.args(), 5))
     x = torch.randn(5, 16, device=device)
-    for act, n in [("none", 8), ("gelu_tanh", 8), ("silu_and_mul", 16)]:
+    for act, n in [("none", 8), ("gelu_tanh", 8), ("silu_and_mul", 16),
+                   ("gelu_tanh_and_mul", 16)]:
         torch.library.opcheck(torch.ops.orca.packed_linear.default,
                               (x, torch.randn(n, 16, device=device), None, act))
     torch.library.opcheck(torch.ops.orca.packed_linear.default,

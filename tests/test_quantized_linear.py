@@ -149,7 +149,9 @@ EPILOGUES = [("none", True, False, "none"), ("gelu_tanh", True, False, "none"),
              ("relu", False, True, "none"), ("silu_and_mul", True, True, "none"),
              ("none", False, False, "layer_norm"),
              ("gelu_tanh", True, False, "layer_norm_no_bias"),
-             ("silu_and_mul", True, True, "rms_norm")]
+             ("silu_and_mul", True, True, "rms_norm"),
+             ("gelu_tanh_and_mul", True, True, "none"),
+             ("gelu_tanh_and_mul", False, False, "rms_norm")]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -158,12 +160,12 @@ EPILOGUES = [("none", True, False, "none"), ("gelu_tanh", True, False, "none"),
 @pytest.mark.parametrize("activation,with_bias,with_residual,norm", EPILOGUES)
 def test_quantized_linear_epilogue(isa, fmt, dtype, T, activation, with_bias, with_residual,
                                    norm):
-    K, N = 96, 66  # N even, so that silu_and_mul has its gate and up halves
+    K, N = 96, 66  # N even, so that the gated acts have their gate and up halves
     q, w = quantized(fmt, K, N)
     gen = torch.Generator().manual_seed(T * 7 + N)
     x = torch.randn(T, K, generator=gen).to(dtype)
     b = torch.randn(N, generator=gen).to(dtype) if with_bias else None
-    n_out = N // 2 if activation == "silu_and_mul" else N
+    n_out = N // 2 if activation in ops.GATED_ACTIVATIONS else N
     r = torch.randn(T, n_out, generator=gen).to(dtype) if with_residual else None
     gamma = (1 + torch.randn(K, generator=gen) / 4).to(dtype)
     beta = torch.randn(K, generator=gen).to(dtype) if norm == "layer_norm" else None
@@ -262,8 +264,9 @@ def test_opcheck():
             r, gamma = torch.randn(T, 33).to(dtype), torch.randn(96).to(dtype)
             op = torch.ops.orca.quantized_linear.default
             torch.library.opcheck(op, (x, q, "q4_0", 96, None))
-            torch.library.opcheck(op, (x, q, "q4_0", 96, b, "silu_and_mul", r, "rms_norm",
-                                       gamma, None, 1e-6))
+            for act in ops.GATED_ACTIVATIONS:
+                torch.library.opcheck(op, (x, q, "q4_0", 96, b, act, r, "rms_norm", gamma, None,
+                                           1e-6))
 
 
 ERROR_CASES = [
@@ -287,6 +290,8 @@ ERROR_CASES = [
      r"residual must be the output's shape \[4, 3\]"),
     (dict(activation="silu_and_mul", qweight=torch.zeros(5, 34, dtype=torch.uint8)),
      "silu_and_mul needs qweight with 2I rows"),
+    (dict(activation="gelu_tanh_and_mul", qweight=torch.zeros(5, 34, dtype=torch.uint8)),
+     "gelu_tanh_and_mul needs qweight with 2I rows"),
     (dict(activation="swish"), "activation must be one of"),
     (dict(norm="layer_norm", norm_weight=torch.randn(31)),
      "norm_weight has 31 entries but x has K = 32 columns"),

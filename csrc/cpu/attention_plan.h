@@ -86,6 +86,8 @@ inline double longest_thread(const std::vector<Group>& groups, const std::vector
 }
 
 // wide_items: long requests' prefill items take up to cpu::kMaxAmxRows rows (the AMX kernels).
+// window: the attention's sliding window (0: none); an item's KV range starts at the first key
+// its first query sees, so a long context costs O(window) per query block, not O(context).
 inline Plan make_plan(const AttentionShape& s, const int32_t* cu, const int32_t* ctx,
                       bool wide_items = false, int64_t window = 0) {
   const int64_t G = s.num_q_heads / s.num_kv_heads;
@@ -98,16 +100,17 @@ inline Plan make_plan(const AttentionShape& s, const int32_t* cu, const int32_t*
     const int64_t q_block = std::max<int64_t>(1, item_rows / G);
     for (int64_t qb = 0; qb < q_len; qb += q_block) {
       const int64_t qe = std::min(q_len, qb + q_block);
-      const int64_t kv_end = first_pos + qe;
+      const int64_t kv_begin = cpu::window_start(first_pos + qb, window), kv_end = first_pos + qe;
       // Decode-like items take all KV heads (the cache is read front to back, and the work
       // is memory-bound); prefill blocks take one head each (compute-bound, more items).
       const int64_t heads = (qe - qb) * G <= cpu::kMaxDirectRows ? s.num_kv_heads : 1;
       // Gathering a KV tile costs about as much as a few query rows of math on it.
-      const double cost = static_cast<double>(kv_end) * heads * ((qe - qb) * G + 8);
+      const double cost = static_cast<double>(kv_end - kv_begin) * heads * ((qe - qb) * G + 8);
       for (int64_t h = 0; h < s.num_kv_heads; h += heads) {
         groups.push_back({{static_cast<int32_t>(r), static_cast<int32_t>(h),
                            static_cast<int32_t>(h + heads), static_cast<int32_t>(qb),
-                           static_cast<int32_t>(qe), 0, static_cast<int32_t>(kv_end), -1},
+                           static_cast<int32_t>(qe), static_cast<int32_t>(kv_begin),
+                           static_cast<int32_t>(kv_end), -1},
                           cost});
         total += cost;
       }
@@ -122,7 +125,7 @@ inline Plan make_plan(const AttentionShape& s, const int32_t* cu, const int32_t*
     for (size_t g = 0; g < groups.size(); ++g) {
       splits[g] = std::clamp<int64_t>(
           static_cast<int64_t>(std::ceil(groups[g].cost * items_per_thread / per_thread)), 1,
-          std::max<int64_t>(1, groups[g].work.kv_end / kMinSplitKv));
+          std::max<int64_t>(1, (groups[g].work.kv_end - groups[g].work.kv_begin) / kMinSplitKv));
     }
     if (longest_thread(groups, splits, at::get_num_threads()) <= 1.1 * per_thread) break;
   }
@@ -136,16 +139,17 @@ inline Plan make_plan(const AttentionShape& s, const int32_t* cu, const int32_t*
       items.emplace_back(cost, work);
       continue;
     }
-    const int64_t kv_end = work.kv_end, chunk = ceil_div(kv_end, splits[g]);
-    const int64_t num_splits = ceil_div(kv_end, chunk);
+    const int64_t kv_begin = work.kv_begin, kv_end = work.kv_end;
+    const int64_t chunk = ceil_div(kv_end - kv_begin, splits[g]);
+    const int64_t num_splits = ceil_div(kv_end - kv_begin, chunk);
     const int64_t rows = work.num_rows(G);
     AttentionWork first = work;
     first.partial_row = plan.partial_rows;
     plan.merges.emplace_back(first, num_splits);
     for (int64_t sp = 0; sp < num_splits; ++sp) {
       AttentionWork w = work;
-      w.kv_begin = static_cast<int32_t>(sp * chunk);
-      w.kv_end = static_cast<int32_t>(std::min(kv_end, (sp + 1) * chunk));
+      w.kv_begin = static_cast<int32_t>(kv_begin + sp * chunk);
+      w.kv_end = static_cast<int32_t>(std::min(kv_end, kv_begin + (sp + 1) * chunk));
       w.partial_row = plan.partial_rows;
       plan.partial_rows += rows;
       items.emplace_back(cost / num_splits, w);
@@ -204,6 +208,7 @@ void dispatch_head_dim(int64_t head_dim, const F& f) {
     case 80: return f.template operator()<80>();
     case 96: return f.template operator()<96>();
     case 128: return f.template operator()<128>();
+    case 256: return f.template operator()<256>();
     default: return f.template operator()<0>();
   }
 }

@@ -105,6 +105,7 @@ void dispatch_activation(Activation act, const Fn& f) {
     case Activation::kGeluTanh: return f.template operator()<Activation::kGeluTanh>();
     case Activation::kRelu: return f.template operator()<Activation::kRelu>();
     case Activation::kSiluAndMul: return f.template operator()<Activation::kSiluAndMul>();
+    case Activation::kGeluTanhAndMul: return f.template operator()<Activation::kGeluTanhAndMul>();
   }
 }
 
@@ -461,7 +462,7 @@ void DecoderStack::add_layer(const c10::Dict<std::string, at::Tensor>& weights,
   Linear out = linear("out", num_heads_ * head_dim_, "none", x, "none", std::nullopt,
                       std::nullopt);
   Linear up = linear("up", hidden, activation_name_, std::nullopt, norm, mlp_norm, mlp_norm_bias);
-  const int64_t inter = gated(act_) ? up.weight.size(0) / 2 : up.weight.size(0);
+  const int64_t inter = is_gated(act_) ? up.weight.size(0) / 2 : up.weight.size(0);
   Linear down = linear("down", inter, "none", x, "none", std::nullopt, std::nullopt);
   // The RMSNorms of q / k heads and of the attention / MLP outputs, checked as rms_norm checks.
   const auto rms_weight = [&](const char* name, int64_t width) {

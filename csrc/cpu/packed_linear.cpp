@@ -6,7 +6,8 @@
 // (see onednn_linear). Otherwise, without an activation the bias rides in BLAS's beta term (one
 // addmm call, like F.linear); with gelu_tanh / relu the output is computed in cache-sized
 // tiles, each tile's GEMM writing a thread-local buffer that the epilogue turns into the final
-// output while it is still in cache; silu_and_mul is one GEMM plus one fused pass.
+// output while it is still in cache; silu_and_mul / gelu_tanh_and_mul is one GEMM plus one
+// fused pass.
 // logits_linear is packed_linear without bias or activation whose output is float32 for every
 // input dtype: the same skinny and lanes kernels (which accumulate in float32) write float32,
 // and beyond them a float32 GEMM runs on weight tiles widened to float32.
@@ -71,7 +72,7 @@ void lanes_linear(const at::Tensor& x, const at::Tensor& weight, const scalar_t*
   constexpr int64_t B = kSkinnyBlock;
   constexpr int W = 16 * kTV;
   const int64_t T = x.size(0), K = x.size(1), N = out.size(1);
-  const int64_t half = act == Activation::kSiluAndMul ? N : 0;  // offset of the up rows
+  const int64_t half = is_gated(act) ? N : 0;  // offset of the up rows
   // x^T, zero-padded to W tokens: floats, or for kBf16Dot the tokens' bf16 pairs (K even).
   at::Tensor xt;
   if constexpr (kBf16Dot<scalar_t>) {
@@ -147,12 +148,12 @@ void tiled_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   });
 }
 
-// silu_and_mul: gate and up are different weight rows, so a tile would need two BLAS calls
-// that each re-pack x; one multithreaded GEMM of [T, 2I] followed by a single fused pass that
-// reads gate and up and writes the [T, I] output costs less.
-template <typename scalar_t>
-void gemm_silu_and_mul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias,
-                       const scalar_t* residual, at::Tensor& out) {
+// Gated acts: gate and up are different weight rows, so a tile would need two BLAS calls that
+// each re-pack x; one multithreaded GEMM of [T, 2I] followed by a single fused pass that reads
+// gate and up and writes the [T, I] output costs less.
+template <typename scalar_t, Activation act>
+void gemm_and_mul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias,
+                  const scalar_t* residual, at::Tensor& out) {
   std::optional<at::Tensor> y_onednn;
   if (x.scalar_type() == at::kFloat) {
     y_onednn = onednn_linear(x, weight, bias ? std::optional(*bias) : std::nullopt, "none", "");
@@ -164,7 +165,7 @@ void gemm_silu_and_mul(const at::Tensor& x, const at::Tensor& weight, const at::
   const scalar_t* y_ptr = y.data_ptr<scalar_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   at::parallel_for(0, T, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
-    epilogue<Activation::kSiluAndMul, scalar_t, scalar_t>(
+    epilogue<act, scalar_t, scalar_t>(
         y_ptr + begin * 2 * I, y_ptr + begin * 2 * I + I, 2 * I, end - begin, I, nullptr,
         nullptr, residual ? residual + begin * I : nullptr, out_ptr + begin * I, I);
   });
@@ -199,10 +200,10 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
                            : normalized_input(x_in.contiguous(), input_norm);
   const at::Tensor weight = weight_in.contiguous();
   const int64_t T = x.size(0);
-  const int64_t n_out = act == Activation::kSiluAndMul ? weight.size(0) / 2 : weight.size(0);
+  const int64_t n_out = is_gated(act) ? weight.size(0) / 2 : weight.size(0);
   const bool lanes = takes_lanes(x);
   const bool gemm = T > kSkinnyMaxT && !lanes;
-  if (gemm && x.scalar_type() == at::kFloat && act != Activation::kSiluAndMul) {
+  if (gemm && x.scalar_type() == at::kFloat && !is_gated(act)) {
     const char* attr = act == Activation::kGeluTanh ? "gelu"
                        : act == Activation::kRelu   ? "relu"
                                                     : "none";
@@ -238,6 +239,8 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
           case Activation::kGeluTanh: return run.template operator()<Activation::kGeluTanh>();
           case Activation::kRelu: return run.template operator()<Activation::kRelu>();
           case Activation::kSiluAndMul: return run.template operator()<Activation::kSiluAndMul>();
+          case Activation::kGeluTanhAndMul:
+            return run.template operator()<Activation::kGeluTanhAndMul>();
         }
       }
     }
@@ -247,8 +250,11 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
         return tiled_linear<scalar_t, Activation::kGeluTanh>(x, weight, bias_t, res_ptr, out);
       case Activation::kRelu:
         return tiled_linear<scalar_t, Activation::kRelu>(x, weight, bias_t, res_ptr, out);
+      case Activation::kGeluTanhAndMul:
+        return gemm_and_mul<scalar_t, Activation::kGeluTanhAndMul>(x, weight, bias_t, res_ptr,
+                                                                   out);
       default:
-        return gemm_silu_and_mul<scalar_t>(x, weight, bias_t, res_ptr, out);
+        return gemm_and_mul<scalar_t, Activation::kSiluAndMul>(x, weight, bias_t, res_ptr, out);
     }
   });
   return out;

@@ -76,10 +76,10 @@ inline void quantize_for(Int8Path path, cpu::quant::Format fmt, const float* x, 
 }
 
 // Blocks [begin, end) of kSkinnyBlock output columns of out [T, N] = act(x @ W^T + bias) +
-// residual, W the GGUF blocks w ([N, K], or [2N, K] gate rows then up rows for silu_and_mul):
+// residual, W the GGUF blocks w ([N, K], or [2N, K] gate rows then up rows for gated acts):
 // each block's dot products on x (float32 [T, K], up to kMaxDotTokens tokens at a time) or on
 // x_int8 (quantize_for's rounding of x for `path`), then its epilogue. residual may be out;
-// y_gate and y_up are scratch of T * kSkinnyBlock floats (y_up for silu_and_mul only).
+// y_gate and y_up are scratch of T * kSkinnyBlock floats (y_up for gated acts only).
 template <typename scalar_t, Activation act>
 void quant_dot_blocks(cpu::quant::Isa isa, cpu::quant::Format fmt, const float* x,
                       Int8Path path, const uint8_t* x_int8, int64_t T, int64_t K, const uint8_t* w,
@@ -87,7 +87,7 @@ void quant_dot_blocks(cpu::quant::Isa isa, cpu::quant::Format fmt, const float* 
                       int64_t begin, int64_t end, float* y_gate, float* y_up) {
   constexpr int64_t B = kSkinnyBlock, kChunk = cpu::quant::kMaxDotTokens;
   const int64_t row_bytes = K / cpu::quant::kBlockSize * cpu::quant::block_bytes(fmt);
-  const int64_t half = act == Activation::kSiluAndMul ? N : 0;  // offset of the up rows
+  const int64_t half = is_gated(act) ? N : 0;  // offset of the up rows
   float* const y[2] = {y_gate, y_up};
   for (int64_t blk = begin; blk < end; ++blk) {
     const int64_t n0 = blk * B, cols = std::min(B, N - n0);

@@ -104,14 +104,14 @@ void dot_linear(Isa isa, Format fmt, const float* x, Int8Path path, const uint8_
 }
 
 // More tokens: per task, panels of weight rows dequantized to x's dtype (gate and up rows side
-// by side for silu_and_mul), one single-threaded GEMM of all tokens per panel into a
+// by side for gated acts), one single-threaded GEMM of all tokens per panel into a
 // thread-local buffer, and the epilogue from there into out.
 template <typename scalar_t, Activation act>
 void panel_linear(Isa isa, Format fmt, const at::Tensor& x, const uint8_t* w,
                   const scalar_t* bias, const scalar_t* residual, at::Tensor& out) {
   const int64_t T = x.size(0), K = x.size(1), N = out.size(1);
   const int64_t row_bytes = K / cpu::quant::kBlockSize * cpu::quant::block_bytes(fmt);
-  const int64_t parts = act == Activation::kSiluAndMul ? 2 : 1;
+  const int64_t parts = is_gated(act) ? 2 : 1;
   const int64_t half = parts == 2 ? N : 0;  // offset of the up rows
   // Panels of up to kPanelBytes (rows a multiple of 16), one GEMM call each (fewer, larger
   // calls ran faster, oneDNN's bfloat16 ones most), at least one per thread and a multiple of
@@ -171,7 +171,7 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
                            : normalized_input(x_in.contiguous(), input_norm);
   const at::Tensor qweight = qweight_in.contiguous();
   const int64_t T = x.size(0), K = in_features;
-  const int64_t n_out = act == Activation::kSiluAndMul ? qweight.size(0) / 2 : qweight.size(0);
+  const int64_t n_out = is_gated(act) ? qweight.size(0) / 2 : qweight.size(0);
   at::Tensor out = at::empty({T, n_out}, x.options());
   if (T == 0 || n_out == 0) return out;
   const at::Tensor bias = bias_in ? bias_in->contiguous() : at::Tensor();
@@ -217,6 +217,8 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
       case Activation::kRelu: return run.template operator()<scalar_t, Activation::kRelu>();
       case Activation::kSiluAndMul:
         return run.template operator()<scalar_t, Activation::kSiluAndMul>();
+      case Activation::kGeluTanhAndMul:
+        return run.template operator()<scalar_t, Activation::kGeluTanhAndMul>();
     }
   };
   if (x.scalar_type() == at::kFloat) {

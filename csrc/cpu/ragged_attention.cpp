@@ -45,7 +45,7 @@ at::Tensor ragged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cach
                                 const at::Tensor& block_table_in, double scale,
                                 int64_t window) {
   const AttentionShape s = check_attention_inputs(q_in, k_cache, v_cache, cu_q_lens_in,
-                                                  context_lens_in, block_table_in, scale);
+                                                  context_lens_in, block_table_in, scale, window);
   const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
   const at::Tensor cu_q_lens = cu_q_lens_in.contiguous(), context_lens = context_lens_in.contiguous(),
                    block_table = block_table_in.contiguous();
@@ -57,7 +57,7 @@ at::Tensor ragged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cach
 
   const cpu::AttentionIsa isa = chosen_attention_isa();
   const bool wide = q.scalar_type() == at::kBFloat16 && cpu::amx_head_dim(isa, s.head_dim);
-  const Plan plan = make_plan(s, cu, ctx, wide);
+  const Plan plan = make_plan(s, cu, ctx, wide, window);
   at::Tensor part_o = at::empty({plan.partial_rows, s.head_dim}, q.options().dtype(at::kFloat));
   at::Tensor part_ml = at::empty({2, plan.partial_rows}, q.options().dtype(at::kFloat));
   const cpu::Partials part{part_o.data_ptr<float>(), part_ml.data_ptr<float>(),
@@ -67,7 +67,7 @@ at::Tensor ragged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cach
         q.data_ptr<scalar_t>(), q.stride(0), q.stride(1),
         k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
         cu, ctx, block_table.data_ptr<int32_t>(), s.max_blocks, s.block_size,
-        s.num_q_heads, s.num_kv_heads, s.head_dim, static_cast<float>(scale)};
+        s.num_q_heads, s.num_kv_heads, s.head_dim, static_cast<float>(scale), window};
     dispatch_attention_isa<scalar_t>(isa, [&]<cpu::AttentionIsa kIsa>() {
       dispatch_head_dim(s.head_dim,
                         [&]<int kD>() { run_attention<scalar_t, kD, kIsa>(args, plan, part); });

@@ -40,11 +40,12 @@ void epilogue_rows(const in_t* in, const in_t* up_in, int64_t in_stride, int64_t
       if constexpr (kResidual) return v + static_cast<float>(r[j]);
       return v;
     };
-    if constexpr (act == Activation::kSiluAndMul) {
+    if constexpr (is_gated(act)) {
       const in_t* u = up_in + i * in_stride;
       for (int64_t j = 0; j < cols; ++j) {
-        o[j] = static_cast<out_t>(
-            plus_residual(cpu::silu(biased(t, bias, j)) * biased(u, up_bias, j), j));
+        const float g = biased(t, bias, j);
+        const float a = act == Activation::kSiluAndMul ? cpu::silu(g) : cpu::gelu_tanh(g);
+        o[j] = static_cast<out_t>(plus_residual(a * biased(u, up_bias, j), j));
       }
     } else {
       for (int64_t j = 0; j < cols; ++j) {
@@ -58,7 +59,7 @@ void epilogue_rows(const in_t* in, const in_t* up_in, int64_t in_stride, int64_t
   }
 }
 
-// out[i, j] = act(in[i, j] + bias[j]) + residual[i, j]; for silu_and_mul, silu(in + bias) *
+// out[i, j] = act(in[i, j] + bias[j]) + residual[i, j]; for a gated act, act(in + bias) *
 // (up_in + up_bias) + residual (up_bias is set exactly when bias is; residual, where set, has
 // out's layout; out is the dtype, or float32 for logits_linear). With and without a bias (or
 // residual) are separate loops: from `bias ? bias[j] : 0` the vectorizer emits masked loads,
@@ -97,10 +98,10 @@ void dot_rows(const void* x, const scalar_t* w, int64_t K, const int64_t (&first
 
 // Blocks [begin, end) of a skinny linear's kSkinnyBlock-column blocks: out[:, cols] =
 // act(x @ w[cols]^T + bias) + residual, x [kT, K] (float32, or the bfloat16 tokens themselves for
-// the kBf16Dot kernel), w [N, K] (silu_and_mul: [2N, K], gate rows then up rows), out and
+// the kBf16Dot kernel), w [N, K] (gated acts: [2N, K], gate rows then up rows), out and
 // residual [kT, N] (out in the dtype, or float32 for logits_linear). A thread runs blocks from
 // distant parts of its range side by side (one weight stream each), or a block's gate and up
-// rows for silu_and_mul. residual may be out.
+// rows for a gated act. residual may be out.
 template <int kT, typename scalar_t, Activation act, typename out_t>
 void skinny_blocks(const void* x_ptr, const scalar_t* w, int64_t K, int64_t N,
                    const scalar_t* bias, const scalar_t* residual, out_t* out_ptr,
@@ -108,7 +109,7 @@ void skinny_blocks(const void* x_ptr, const scalar_t* w, int64_t K, int64_t N,
   constexpr int64_t B = kSkinnyBlock;
   // From 2 tokens a thread walks 4 streams instead of 2, so each x load serves twice the rows.
   constexpr int kStreams = kT >= 2 ? 4 : 2;
-  const int64_t half = act == Activation::kSiluAndMul ? N : 0;  // offset of the up rows
+  const int64_t half = is_gated(act) ? N : 0;  // offset of the up rows
   const auto cols_of = [&](int64_t blk) { return std::min(B, N - blk * B); };
   const auto finish = [&](int64_t blk, const float* y, const float* up) {
     const int64_t n0 = blk * B;
@@ -157,6 +158,8 @@ void dispatch_skinny(int64_t T, Activation act, const F& f) {
       case Activation::kGeluTanh: return f.template operator()<kT, Activation::kGeluTanh>();
       case Activation::kRelu: return f.template operator()<kT, Activation::kRelu>();
       case Activation::kSiluAndMul: return f.template operator()<kT, Activation::kSiluAndMul>();
+      case Activation::kGeluTanhAndMul:
+        return f.template operator()<kT, Activation::kGeluTanhAndMul>();
     }
   });
 }
@@ -165,7 +168,7 @@ void dispatch_skinny(int64_t T, Activation act, const F& f) {
 // product, counts as 1).
 inline int64_t skinny_grain(int64_t K, Activation act) {
   return ceil_div(kMinParallelWeights, kSkinnyBlock * std::max<int64_t>(K, 1) *
-                                           (act == Activation::kSiluAndMul ? 2 : 1));
+                                           (is_gated(act) ? 2 : 1));
 }
 
 }  // namespace orca

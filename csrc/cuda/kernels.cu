@@ -53,7 +53,7 @@ namespace {
 
 template <typename T>
 cudaError_t skinny(const SkinnyLinearParams& p, cudaStream_t stream) {
-  const int64_t cols = p.act == Act::kSiluAndMul ? linear::kSkinnyRows / 2 : linear::kSkinnyRows;
+  const int64_t cols = act_gated(p.act) ? linear::kSkinnyRows / 2 : linear::kSkinnyRows;
   const dim3 grid(static_cast<unsigned>(ceil_div(p.N, cols)));
   constexpr int kThreads = linear::kSkinnyThreads;
   if (p.T <= 1) linear::skinny_linear_kernel<T, 1><<<grid, kThreads, 0, stream>>>(p);
@@ -85,14 +85,15 @@ cudaError_t bias_act(void* y, const void* bias, int64_t T_, int64_t N, Act act,
 }
 
 template <typename T>
-cudaError_t silu_mul(const void* y, void* out, int64_t T_, int64_t I, cudaStream_t stream) {
+cudaError_t act_mul(const void* y, void* out, int64_t T_, int64_t I, Act act,
+                    cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(T);
   if (I % kVec == 0 && aligned(y, 16) && aligned(out, 16)) {
-    linear::silu_and_mul_kernel<T, kVec><<<elementwise_blocks(T_ * I / kVec), 256, 0, stream>>>(
-        static_cast<const T*>(y), static_cast<T*>(out), T_, I);
+    linear::act_and_mul_kernel<T, kVec><<<elementwise_blocks(T_ * I / kVec), 256, 0, stream>>>(
+        static_cast<const T*>(y), static_cast<T*>(out), T_, I, act);
   } else {
-    linear::silu_and_mul_kernel<T, 1><<<elementwise_blocks(T_ * I), 256, 0, stream>>>(
-        static_cast<const T*>(y), static_cast<T*>(out), T_, I);
+    linear::act_and_mul_kernel<T, 1><<<elementwise_blocks(T_ * I), 256, 0, stream>>>(
+        static_cast<const T*>(y), static_cast<T*>(out), T_, I, act);
   }
   return cudaGetLastError();
 }
@@ -108,13 +109,13 @@ cudaError_t launch_bias_act(void* y, const void* bias, int64_t T_, int64_t N, Ac
   }
 }
 
-cudaError_t launch_silu_and_mul(const void* y, void* out, int64_t T_, int64_t I, DType dtype,
-                                cudaStream_t stream) {
+cudaError_t launch_act_and_mul(const void* y, void* out, int64_t T_, int64_t I, Act act,
+                               DType dtype, cudaStream_t stream) {
   if (T_ * I == 0) return cudaSuccess;
   switch (dtype) {
-    case DType::kBFloat16: return silu_mul<__nv_bfloat16>(y, out, T_, I, stream);
-    case DType::kFloat16: return silu_mul<__half>(y, out, T_, I, stream);
-    default: return silu_mul<float>(y, out, T_, I, stream);
+    case DType::kBFloat16: return act_mul<__nv_bfloat16>(y, out, T_, I, act, stream);
+    case DType::kFloat16: return act_mul<__half>(y, out, T_, I, act, stream);
+    default: return act_mul<float>(y, out, T_, I, act, stream);
   }
 }
 

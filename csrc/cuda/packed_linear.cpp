@@ -1,10 +1,10 @@
 // packed_linear on CUDA: y = act(x @ W^T + b) over packed tokens, on the current stream.
 //  - few tokens (T <= ORCA_SKINNY_MAX_T, default 8): one weight-streaming kernel with bias and
-//    activation fused (csrc/include/orca/cuda/linear.cuh); silu_and_mul reads the gate and up
-//    rows of each output column in the same CTA, so it is fully fused too;
+//    activation fused (csrc/include/orca/cuda/linear.cuh); silu_and_mul / gelu_tanh_and_mul
+//    read the gate and up rows of each output column in the same CTA, so they are fully fused;
 //  - otherwise cuBLASLt (torch's handle) with the bias/activation in its epilogue
-//    (CUBLASLT_EPILOGUE_BIAS / GELU[_BIAS] / RELU[_BIAS]); silu_and_mul runs the GEMM (bias in
-//    the epilogue) into a [T, 2I] buffer and one vectorized silu(gate) * up kernel. If cuBLASLt
+//    (CUBLASLT_EPILOGUE_BIAS / GELU[_BIAS] / RELU[_BIAS]); a gated act runs the GEMM (bias in
+//    the epilogue) into a [T, 2I] buffer and one vectorized act(gate) * up kernel. If cuBLASLt
 //    finds no algorithm for an epilogue (or refuses it at run time), the GEMM runs plain and an
 //    elementwise kernel applies bias and activation. Descriptors and algorithms are cached per
 //    shape and host thread; the workspace is torch's per-stream cuBLASLt workspace.
@@ -211,6 +211,7 @@ cuda::Act to_act(Activation act) {
     case Activation::kGeluTanh: return cuda::Act::kGeluTanh;
     case Activation::kRelu: return cuda::Act::kRelu;
     case Activation::kSiluAndMul: return cuda::Act::kSiluAndMul;
+    case Activation::kGeluTanhAndMul: return cuda::Act::kGeluTanhAndMul;
     default: return cuda::Act::kNone;
   }
 }
@@ -246,7 +247,7 @@ at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight_in,
                        const std::optional<at::Tensor>& bias_in, Activation act) {
   const at::Tensor x = gemm_operand(x_in), w = gemm_operand(weight_in);
   const int64_t T = x.size(0), K = x.size(1), Nw = w.size(0);
-  const bool glu = act == Activation::kSiluAndMul;
+  const bool glu = is_gated(act);
   const int64_t n_out = glu ? Nw / 2 : Nw;
   at::Tensor out = at::empty({T, n_out}, x.options());
   if (T == 0 || n_out == 0) return out;
@@ -262,7 +263,10 @@ at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight_in,
                                   : at::zeros({T, Nw}, x.options().dtype(at::kFloat));
     if (act == Activation::kGeluTanh) y = at::gelu(y, "tanh");
     else if (act == Activation::kRelu) y = at::relu(y);
-    else if (glu) y = at::silu(y.narrow(1, 0, n_out)) * y.narrow(1, n_out, n_out);
+    if (glu) {
+      const at::Tensor gate = y.narrow(1, 0, n_out), up = y.narrow(1, n_out, n_out);
+      y = (act == Activation::kSiluAndMul ? at::silu(gate) : at::gelu(gate, "tanh")) * up;
+    }
     out.copy_(y);
     return out;
   }
@@ -292,8 +296,8 @@ at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight_in,
   }
   at::Tensor gate_up = at::empty({T, Nw}, x.options());
   gemm_epilogue(x, w, bias_ptr, Activation::kNone, gate_up);
-  ORCA_CUDA_LAUNCH_CHECK(cuda::launch_silu_and_mul(gate_up.data_ptr(), out.data_ptr(), T, n_out,
-                                                   dtype, stream),
+  ORCA_CUDA_LAUNCH_CHECK(cuda::launch_act_and_mul(gate_up.data_ptr(), out.data_ptr(), T, n_out,
+                                                  to_act(act), dtype, stream),
                          "packed_linear");
   return out;
 }

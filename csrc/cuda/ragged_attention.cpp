@@ -36,9 +36,10 @@ int64_t env_cap(const char* name) {
 at::Tensor ragged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cache,
                                  const at::Tensor& v_cache, const at::Tensor& cu_q_lens_in,
                                  const at::Tensor& context_lens_in,
-                                 const at::Tensor& block_table_in, double scale) {
+                                 const at::Tensor& block_table_in, double scale,
+                                 int64_t window) {
   const AttentionShape s = check_attention_inputs(q_in, k_cache, v_cache, cu_q_lens_in,
-                                                  context_lens_in, block_table_in, scale);
+                                                  context_lens_in, block_table_in, scale, window);
   cuda::check_cuda(q_in, "ragged_attention", "q");
   const c10::cuda::CUDAGuard guard(q_in.device());
   TORCH_CHECK(s.num_tokens * s.num_q_heads < std::numeric_limits<int32_t>::max() / 64 &&
@@ -114,6 +115,8 @@ at::Tensor ragged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cac
   p.block_shift = cuda::block_size_shift(s.block_size);
   p.max_context = cuda::attention_max_context(s.block_size, s.max_blocks);
   p.max_splits = plan.max_splits;
+  // A window as long as the longest context the table holds hides no key: none.
+  p.window = window < p.max_context ? static_cast<int32_t>(window) : 0;
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   ORCA_CUDA_LAUNCH_CHECK(cuda::launch_ragged_attention(p, plan, dtype,
                                                        c10::cuda::getCurrentCUDAStream(device)),

@@ -63,6 +63,7 @@ struct AttnCase {
   bool corrupt = false;    // garbage metadata: only memory safety is checked (run under ASan)
   int table_pad = 0;       // junk block-table columns past the longest context (as for graphs)
   AttentionLimits limits{};  // grid / split caps (ORCA_ATTN_MAX_CTAS / ORCA_ATTN_MAX_SPLITS)
+  int window = 0;            // sliding window (0: none)
 };
 
 template <typename T, int D>
@@ -198,6 +199,7 @@ std::vector<T> run_attention_case(const AttnCase& c, const AttnData<T>& d,
   p.block_shift = block_size_shift(c.block_size);
   p.max_context = attention_max_context(c.block_size, d.max_blocks);
   p.max_splits = plan.max_splits;
+  p.window = c.window < p.max_context ? c.window : 0;  // as the launcher sets it
   p.scale_log2 = d.scale * 1.4426950408889634f;
   run_attention<T>(p, plan);
   if (plan_out != nullptr) *plan_out = plan;
@@ -217,9 +219,11 @@ double attention_error(const AttnCase& c, const AttnData<T>& d, const std::vecto
       for (int hq = 0; hq < c.Hq; ++hq) {
         const int h = hq / g;
         const T* qrow = d.q.data() + (static_cast<size_t>(t) * d.q_heads_stride + hq) * D;
+        // Keys (pos - window, pos], or all up to pos.
+        const int j0 = c.window > 0 ? std::max(0, pos - c.window + 1) : 0;
         std::vector<double> s(pos + 1);
         double mx = -1e300;
-        for (int j = 0; j <= pos; ++j) {
+        for (int j = j0; j <= pos; ++j) {
           const int blk = d.table[r * d.max_blocks + j / bs];
           const T* krow = d.k.data() + ((static_cast<size_t>(blk) * bs + j % bs) * c.Hkv + h) * D;
           double dot = 0;
@@ -228,10 +232,10 @@ double attention_error(const AttnCase& c, const AttnData<T>& d, const std::vecto
           mx = std::max(mx, s[j]);
         }
         double l = 0;
-        for (int j = 0; j <= pos; ++j) l += (s[j] = std::exp(s[j] - mx));
+        for (int j = j0; j <= pos; ++j) l += (s[j] = std::exp(s[j] - mx));
         for (int e = 0; e < D; ++e) {
           double o = 0;
-          for (int j = 0; j <= pos; ++j) {
+          for (int j = j0; j <= pos; ++j) {
             const int blk = d.table[r * d.max_blocks + j / bs];
             o += s[j] * back(d.v[((static_cast<size_t>(blk) * bs + j % bs) * c.Hkv + h) * D + e]);
           }
@@ -248,11 +252,12 @@ double attention_error(const AttnCase& c, const AttnData<T>& d, const std::vecto
 template <typename T>
 std::string plan_label(const AttnCase& c, const AttnData<T>& d, const AttentionPlan& plan) {
   char buf[200];
-  std::snprintf(buf, sizeof buf, "D=%d Hq=%d Hkv=%d bs=%d B=%d T=%d %s%s splits<=%d grid=%lld",
-                c.D, c.Hq, c.Hkv, c.block_size, d.B, d.T_,
+  std::snprintf(buf, sizeof buf,
+                "D=%d Hq=%d Hkv=%d bs=%d B=%d T=%d %s%s splits<=%d grid=%lld window=%d", c.D,
+                c.Hq, c.Hkv, c.block_size, d.B, d.T_,
                 plan.tensor_cores ? (plan.warps_m == 1 ? "tc-decode" : "tc-prefill") : "simple",
                 !std::is_same_v<T, float> && !plan.tensor_cores ? "(!)" : "", plan.max_splits,
-                static_cast<long long>(plan.grid_x));
+                static_cast<long long>(plan.grid_x), c.window);
   return buf;
 }
 
@@ -308,6 +313,44 @@ void test_attention_partition_invariance(AttnCase c, const std::string& label,
          bits_differ(out) ? 1.0 : 0.0, 0);
 }
 
+AttnCase windowed(AttnCase c, int window) {
+  c.window = window;
+  return c;
+}
+
+// Sliding windows: 1 and 3 (a query sees itself and its last keys), windows that skip whole
+// splits and KV tiles, and ones longer than every context (the same as none).
+template <typename T>
+void window_suite() {
+  const AttnCase mixed{8, 2, 64, 3, 2, {37, 1, 1, 70, 1}, {37, 90, 5, 200, 260}, 1};
+  const AttnCase decode{4, 1, 128, 16, 0, {1, 1, 1}, {700, 1300, 40}, 132};
+  for (int window : {1, 3, 64}) test_attention<T>(windowed(mixed, window), "window mixed");
+  for (int window : {3, 512, 5000}) test_attention<T>(windowed(decode, window), "window decode");
+  // Spans of 600 split in two; the same unsplit and on a one-CTA grid.
+  test_attention<T>(windowed(decode, 600), "window decode-split");
+  AttnCase unsplit = windowed(decode, 600), one_cta = windowed(decode, 600);
+  unsplit.limits = {0, 1};
+  one_cta.limits = {1, 0};
+  test_attention<T>(unsplit, "window decode no-split");
+  test_attention<T>(one_cta, "window decode-split one CTA");
+  // Decode tiles of several queries (4 tokens x 4 heads) over split spans.
+  test_attention<T>({4, 1, 64, 16, 0, {4, 1, 1}, {1300, 700, 40}, 132, false, false, 0, {}, 600},
+                    "window multi-token decode");
+  // A long prefill over cached KV: later row tiles skip the first split, and their rows' merges
+  // start past it.
+  test_attention<T>({2, 1, 64, 16, 0, {600, 1}, {1200, 90}, 132, false, false, 0, {}, 100},
+                    "window prefill-split");
+  // Chunked prefill with block size 1, MQA decode with a wide group, empty requests.
+  test_attention<T>(windowed({2, 2, 96, 1, 5, {20, 3}, {600, 530}, 132}, 300),
+                    "window prefill bs=1");
+  test_attention<T>(windowed({32, 1, 64, 16, 0, {1, 1}, {90, 600}, 132}, 50),
+                    "window mqa decode g=32");
+  test_attention<T>(windowed({4, 2, 64, 16, 0, {1, 0, 1, 2}, {33, 0, 1, 700}, 132}, 5),
+                    "window empty requests");
+  test_attention<T>(windowed({4, 1, 64, 4, 0, {70, 1, 30}, {70, 900, 40}, 132, false, true}, 9),
+                    "window corrupt");
+}
+
 template <typename T>
 void attention_suite() {
   // Mixed prefill + decode, GQA, odd block size, no split (many SMs' worth of tiles).
@@ -338,6 +381,7 @@ void attention_suite() {
   test_attention<T>({4, 2, 64, 16, 0, {3, 1, 2}, {40, 300, 2}, 132, false, true}, "corrupt decode");
   test_attention<T>({4, 1, 64, 4, 0, {70, 1, 30}, {70, 900, 40}, 132, false, true}, "corrupt prefill");
   test_attention<T>({4, 1, 64, 4, 0, {70, 1, 30}, {70, 900, 40}, 1, false, true}, "corrupt no-split");
+  window_suite<T>();
 }
 
 // Batches past one request per thread (B > 128: the prefix scan's multi-request ranges) and
@@ -357,6 +401,8 @@ void attention_many_items_suite() {
       {4, 2, 64, 16, 0, {1, 1, 1}, {700, 1300, 40}, 132}, "decode-split", {1, 3});
   test_attention_partition_invariance<__nv_bfloat16>(
       {8, 2, 64, 16, 0, {100, 1, 70}, {100, 520, 300}, 132}, "prefill", {1, 2});
+  test_attention_partition_invariance<__nv_bfloat16>(
+      windowed({4, 2, 64, 16, 0, {1, 1, 60}, {700, 1300, 800}, 132}, 600), "window", {1, 3});
 }
 
 // ---- store_kv ----------------------------------------------------------------------------------
@@ -412,10 +458,14 @@ double act_ref(double x, Act a) {
   }
 }
 double silu_ref(double x) { return x / (1 + std::exp(-x)); }
+// A gated act's activation of the gate.
+double gate_ref(double x, Act a) {
+  return a == Act::kSiluAndMul ? silu_ref(x) : act_ref(x, Act::kGeluTanh);
+}
 
 template <typename T>
 void test_linear(int Tn, int N, int K, Act act, bool bias_on) {
-  const bool glu = act == Act::kSiluAndMul;
+  const bool glu = act_gated(act);
   const int Nw = glu ? 2 * N : N;
   const int ldx = K + 16 / static_cast<int>(sizeof(T));  // padded rows
   std::vector<T> x(static_cast<size_t>(Tn) * ldx), w(static_cast<size_t>(Nw) * K), b(Nw);
@@ -453,7 +503,7 @@ void test_linear(int Tn, int N, int K, Act act, bool bias_on) {
   double err = 0;
   for (int t = 0; t < Tn; ++t)
     for (int n = 0; n < N; ++n) {
-      const double ref = glu ? silu_ref(dot(t, n)) * dot(t, N + n) : act_ref(dot(t, n), act);
+      const double ref = glu ? gate_ref(dot(t, n), act) * dot(t, N + n) : act_ref(dot(t, n), act);
       const double got = back(out[t * N + n]);
       err = std::max(err, std::isfinite(got) ? std::abs(got - ref) / (1 + std::abs(ref)) : INFINITY);
     }
@@ -470,15 +520,27 @@ void test_epilogues() {
   for (auto& v : y) v = cast<T>(uniform(-3, 3));
   for (auto& v : bias) v = cast<T>(uniform(-1, 1));
   constexpr int kVec = 16 / sizeof(T);
-  orca_emu::launch(dim3(2), dim3(32), 0,
-                   [&] { linear::silu_and_mul_kernel<T, kVec>(y.data(), out.data(), Tn, I); });
   double err = 0;
-  for (int t = 0; t < Tn; ++t)
-    for (int i = 0; i < I; ++i) {
-      const double ref = silu_ref(back(y[t * 2 * I + i])) * back(y[t * 2 * I + I + i]);
-      err = std::max(err, std::abs(back(out[t * I + i]) - ref) / (1 + std::abs(ref)));
+  for (Act act : {Act::kSiluAndMul, Act::kGeluTanhAndMul}) {
+    for (int vec : {kVec, 1}) {
+      std::fill(out.begin(), out.end(), cast<T>(NAN));
+      orca_emu::launch(dim3(2), dim3(32), 0, [&] {
+        if (vec == 1) linear::act_and_mul_kernel<T, 1>(y.data(), out.data(), Tn, I, act);
+        else linear::act_and_mul_kernel<T, kVec>(y.data(), out.data(), Tn, I, act);
+      });
+      err = 0;
+      for (int t = 0; t < Tn; ++t)
+        for (int i = 0; i < I; ++i) {
+          const double ref = gate_ref(back(y[t * 2 * I + i]), act) * back(y[t * 2 * I + I + i]);
+          const double got = back(out[t * I + i]);
+          err = std::max(err, std::isfinite(got) ? std::abs(got - ref) / (1 + std::abs(ref))
+                                                 : INFINITY);
+        }
+      report(std::string(act == Act::kSiluAndMul ? "silu_and_mul " : "gelu_tanh_and_mul ") +
+                 name_of<T>() + " vec=" + std::to_string(vec),
+             err, std::is_same_v<T, float> ? 1e-5 : 1e-2);
     }
-  report(std::string("silu_and_mul ") + name_of<T>(), err, std::is_same_v<T, float> ? 1e-5 : 1e-2);
+  }
   std::vector<T> z = y;
   orca_emu::launch(dim3(3), dim3(32), 0, [&] {
     linear::bias_act_kernel<T>(z.data(), bias.data(), Tn, 2 * I, Act::kGeluTanh);
@@ -494,11 +556,12 @@ void test_epilogues() {
 
 template <typename T>
 void linear_suite() {
-  for (Act a : {Act::kNone, Act::kGeluTanh, Act::kRelu, Act::kSiluAndMul}) {
+  for (Act a : {Act::kNone, Act::kGeluTanh, Act::kRelu, Act::kSiluAndMul, Act::kGeluTanhAndMul}) {
     test_linear<T>(1, 9, 64, a, true);
     test_linear<T>(5, 6, 136, a, a != Act::kRelu);
   }
   test_linear<T>(8, 7, 512, Act::kSiluAndMul, false);
+  test_linear<T>(8, 7, 512, Act::kGeluTanhAndMul, false);
   test_epilogues<T>();
 }
 
@@ -511,6 +574,13 @@ int main(int argc, char** argv) {
     attention_suite<__half>();
     test_attention<float>({4, 2, 48, 5, 0, {6, 1}, {30, 70}, 132}, "fp32 simple");
     test_attention<__nv_bfloat16>({2, 1, 40, 4, 0, {3, 1}, {20, 50}, 132}, "odd D -> simple");
+    test_attention<float>(windowed({4, 2, 48, 5, 0, {6, 1}, {30, 70}, 132}, 4),
+                          "fp32 simple window");
+    // Gemma 3's head dim: the simple kernel, with and without a window.
+    for (int window : {0, 7}) {
+      test_attention<__nv_bfloat16>(windowed({4, 2, 256, 16, 0, {5, 1}, {40, 300}, 132}, window),
+                                    "D=256 -> simple");
+    }
   }
   if (which == "attention_items" || which == "all") attention_many_items_suite();
   if (which == "store_kv" || which == "all") {

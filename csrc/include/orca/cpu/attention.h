@@ -2,10 +2,12 @@
 //
 // The launcher cuts the batch into AttentionWork items: one request, a range of KV heads
 // (each head's whole query-head group shares its K/V loads), a block of the request's queries
-// and a range of KV positions. An item covering a request's whole causal range writes
-// normalized output; a long range split into chunks writes (unnormalized o, running max m,
-// sum l) partials that merge_partials combines by log-sum-exp. Softmax is online over KV
-// tiles: no [T, context] score matrix is ever formed. Two tile kernels:
+// and a range of KV positions. An item covering a request's whole causal range (with a sliding
+// window, from its first query's window start) writes normalized output; a long range split
+// into chunks writes (unnormalized o, running max m, sum l) partials that merge_partials
+// combines by log-sum-exp (a split that a row does not see leaves it m = -inf, l = 0, skipped
+// there). Keys a query does not see (causal, window) are masked per tile. Softmax is online
+// over KV tiles: no [T, context] score matrix is ever formed. Two tile kernels:
 // - decode-like items (<= kMaxDirectRows query rows per KV head) read every head's K/V rows
 //   in place, token by token, a tile's two halves side by side (memory-bound: one pass over
 //   the KV);
@@ -48,8 +50,14 @@ struct AttentionArgs {
   const int32_t* block_table;  // [B, max_blocks]
   int64_t max_blocks, block_size, num_q_heads, num_kv_heads, head_dim;
   float scale;
-  int64_t window;  // TEMP until the attention-window branch lands
+  // Sliding window: the query at position p sees keys (p - window, p]; 0: every key up to p.
+  int64_t window;
 };
+
+// The first key position the query at `pos` sees under `window` (0: no window).
+inline int64_t window_start(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
 
 struct AttentionWork {
   int32_t request, kv_head_begin, kv_head_end, q_begin, q_end, kv_begin, kv_end;
@@ -100,7 +108,8 @@ constexpr int64_t kMaxAmxRows = 128;
 // Whether the path runs head_dim on the AMX kernels for bfloat16 (and so takes wide items).
 inline bool amx_head_dim(AttentionIsa isa, int64_t head_dim) {
   return isa == AttentionIsa::kAmx &&
-         (head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128);
+         (head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128 ||
+          head_dim == 256);
 }
 
 // Whether this build and CPU run the path: the bf16 pair kernels are compiled in where the build
@@ -140,19 +149,22 @@ constexpr int64_t kMaxLaneRows = 64;  // rows per pass: 4 vectors of scores per 
 constexpr int kKeysPerStep = 4;       // keys scored together (4 x 4 accumulators in registers)
 
 // Stores one step's scores x[jj][rv] (keys j0 + jj) into s[j][W], as -inf where the key is
-// not visible to the row (checked only when `masked`: the tile crosses the causal diagonal or
-// is short), and folds them into each row's tile maximum.
+// not visible to the row, outside [row_start, row_pos] (checked only when `masked`: the tile
+// crosses the causal diagonal or a window's start, or is short), and folds them into each
+// row's tile maximum.
 template <int kRV>
 inline void store_scores(const vec16 (&x)[kKeysPerStep][kRV], int64_t j0, int64_t nt,
-                         bool masked, const int16v* row_pos, int64_t t0, float* s,
-                         vec16* tile_max) {
+                         bool masked, const int16v* row_pos, const int16v* row_start, int64_t t0,
+                         float* s, vec16* tile_max) {
   constexpr int W = kRV * 16;
   const vec16 neg_inf = vec16{} + kNegInf;
   for (int jj = 0; jj < kKeysPerStep; ++jj) {
     // Keys past the tile's end are visible to no row.
     const int key_pos = j0 + jj < nt ? static_cast<int>(t0 + j0 + jj) : INT32_MAX;
     for (int rv = 0; rv < kRV; ++rv) {
-      const vec16 v = masked ? (row_pos[rv] >= key_pos ? x[jj][rv] : neg_inf) : x[jj][rv];
+      const vec16 v =
+          masked ? ((row_pos[rv] >= key_pos) & (row_start[rv] <= key_pos) ? x[jj][rv] : neg_inf)
+                 : x[jj][rv];
       store16(s + (j0 + jj) * W + 16 * rv, v);
       tile_max[rv] = tile_max[rv] > v ? tile_max[rv] : v;
     }
@@ -165,8 +177,8 @@ inline void store_scores(const vec16 (&x)[kKeysPerStep][kRV], int64_t j0, int64_
 // rows, padded to a whole step with zero rows.
 template <int kD, int kRV, typename lane_t, typename row_t>
 inline void tile_scores(const lane_t* qt, const row_t* const* k_rows, int64_t nt, bool masked,
-                        const int16v* row_pos, int64_t t0, float scale, float* s,
-                        vec16* tile_max) {
+                        const int16v* row_pos, const int16v* row_start, int64_t t0, float scale,
+                        float* s, vec16* tile_max) {
   constexpr int W = kRV * 16;
   for (int rv = 0; rv < kRV; ++rv) tile_max[rv] = vec16{} + kNegInf;
   for (int64_t j0 = 0; j0 < nt; j0 += kKeysPerStep) {
@@ -182,7 +194,7 @@ inline void tile_scores(const lane_t* qt, const row_t* const* k_rows, int64_t nt
     {
       lane_dots<kKeysPerStep, kRV>(qt, W, k_rows + j0, kD, acc);
     }
-    store_scores<kRV>(acc, j0, nt, masked, row_pos, t0, s, tile_max);
+    store_scores<kRV>(acc, j0, nt, masked, row_pos, row_start, t0, s, tile_max);
   }
 }
 
@@ -327,32 +339,35 @@ inline void direct_pv(const scalar_t* va_row, int64_t ja, const scalar_t* vb_row
   });
 }
 
-// Online-softmax step of one tile's scores p (visible[r]: keys row r of each head sees):
-// p becomes probabilities, (m, l) advance and each row's acc is rescaled. Returns the most
-// keys any row sees. A row's kKvTile scores are two vectors.
+// Online-softmax step of one tile's scores p (row r of each head sees the tile's keys
+// [first[r], end[r])): p becomes probabilities, (m, l) advance and each row's acc is rescaled.
+// Returns the most keys any row's range reaches. A row's kKvTile scores are two vectors.
 template <int kD>
-inline int64_t direct_softmax(const int64_t* visible, int64_t rows, int64_t head_rows, float* p,
-                              AttentionScratch& sc) {
+inline int64_t direct_softmax(const int64_t* first, const int64_t* end, int64_t rows,
+                              int64_t head_rows, float* p, AttentionScratch& sc) {
   static_assert(kKvTile == 32);
   constexpr int kNV = kD / 16;
-  const int16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const int16v lane_lo = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const int16v lane_hi = lane_lo + 16;
   const vec16 neg_inf = vec16{} + kNegInf, zero = vec16{};
   int64_t max_visible = 0;
   for (int64_t row = 0; row < rows; ++row) {
-    const int64_t vis = visible[row % head_rows];
-    max_visible = std::max(max_visible, vis);
+    const int64_t lo = first[row % head_rows], hi = end[row % head_rows];
+    max_visible = std::max(max_visible, hi);
     float* pr = p + row * kKvTile;
-    const int16v vis_lo = int16v{} + static_cast<int>(std::clamp<int64_t>(vis, 0, kKvTile));
-    const int16v vis_hi = vis_lo - 16;
-    const vec16 s_lo = lane < vis_lo ? load16(pr) : neg_inf;
-    const vec16 s_hi = lane < vis_hi ? load16(pr + 16) : neg_inf;
+    const int16v begin_v = int16v{} + static_cast<int>(std::clamp<int64_t>(lo, 0, kKvTile));
+    const int16v end_v = int16v{} + static_cast<int>(std::clamp<int64_t>(hi, 0, kKvTile));
+    const int16v in_lo = (lane_lo >= begin_v) & (lane_lo < end_v);
+    const int16v in_hi = (lane_hi >= begin_v) & (lane_hi < end_v);
+    const vec16 s_lo = in_lo ? load16(pr) : neg_inf;
+    const vec16 s_hi = in_hi ? load16(pr + 16) : neg_inf;
     const float tile_max = hmax(s_lo > s_hi ? s_lo : s_hi);
     const float m_old = sc.m[row], m_new = std::max(m_old, tile_max);
-    const vec16 e_lo = lane < vis_lo ? fast_exp(s_lo - m_new) : zero;
-    const vec16 e_hi = lane < vis_hi ? fast_exp(s_hi - m_new) : zero;
+    const vec16 e_lo = in_lo ? fast_exp(s_lo - m_new) : zero;
+    const vec16 e_hi = in_hi ? fast_exp(s_hi - m_new) : zero;
     store16(pr, e_lo);
     store16(pr + 16, e_hi);
-    if (vis <= 0) continue;  // nothing visible: the row's state stays as it is
+    if (hi <= lo) continue;  // nothing visible: the row's state stays as it is
     const float alpha = m_old == kNegInf ? 0.f : fast_exp(m_old - m_new);
     sc.l[row] = sc.l[row] * alpha + hsum(e_lo + e_hi);
     sc.m[row] = m_new;
@@ -362,20 +377,20 @@ inline int64_t direct_softmax(const int64_t* visible, int64_t rows, int64_t head
   return max_visible;
 }
 
-// Scalar fallback for head dims that are not a multiple of 16.
+// Scalar fallback for head dims that are not a multiple of 16: the tile's keys [first, end).
 inline void tile_update_scalar(int64_t D, const float* q, const float* k_t, const float* v,
-                               int64_t visible, float* acc, float& m, float& l) {
+                               int64_t first, int64_t end, float* acc, float& m, float& l) {
   float s[kKvTile] = {};
   for (int64_t d = 0; d < D; ++d) {
     for (int j = 0; j < kKvTile; ++j) s[j] += q[d] * k_t[d * kKvTile + j];
   }
   float tile_max = kNegInf;
-  for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, s[j]);
+  for (int64_t j = first; j < end; ++j) tile_max = std::max(tile_max, s[j]);
   const float m_new = std::max(m, tile_max);
   const float alpha = m == kNegInf ? 0.f : fast_exp(m - m_new);
   float sum = 0.f;
   for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
-  for (int64_t j = 0; j < visible; ++j) {
+  for (int64_t j = first; j < end; ++j) {
     const float pj = fast_exp(s[j] - m_new);
     sum += pj;
     for (int64_t d = 0; d < D; ++d) acc[d] += pj * v[j * D + d];
@@ -501,8 +516,12 @@ void attend_lanes(const AttentionArgs<scalar_t>& a, const AttentionWork& w, int6
   } else {
     sc.qt.assign(kD * W, 0.f);
   }
-  alignas(64) int32_t pos[W];
-  for (int r = 0; r < W; ++r) pos[r] = r < count ? first_pos + (row_begin + r) / G : -1;
+  // Each row sees the keys [start, pos].
+  alignas(64) int32_t pos[W], start[W];
+  for (int r = 0; r < W; ++r) {
+    pos[r] = r < count ? first_pos + (row_begin + r) / G : -1;
+    start[r] = static_cast<int32_t>(window_start(std::max(pos[r], 0), a.window));
+  }
   for (int64_t r = 0; r < count; ++r) {
     const RowPlace at = row_place(a, w, row_base + row_begin + r);
     const scalar_t* src = a.q + at.token * a.q_stride_token + at.q_head * a.q_stride_head;
@@ -512,8 +531,9 @@ void attend_lanes(const AttentionArgs<scalar_t>& a, const AttentionWork& w, int6
       for (int d = 0; d < kD; ++d) sc.qt[d * W + r] = static_cast<float>(src[d]) * a.scale;
     }
   }
-  int16v row_pos[kRV];
+  int16v row_pos[kRV], row_start[kRV];
   std::memcpy(row_pos, pos, sizeof(pos));
+  std::memcpy(row_start, start, sizeof(start));
   const auto* q_lanes = [&] {
     if constexpr (kBf16Dot) {
       return sc.q_pairs.data();
@@ -521,7 +541,8 @@ void attend_lanes(const AttentionArgs<scalar_t>& a, const AttentionWork& w, int6
       return sc.qt.data();
     }
   }();
-  const int64_t min_pos = pos[0];
+  // Positions grow with the row: the first row's is the least, the last row's start the most.
+  const int64_t min_pos = pos[0], max_start = start[count - 1];
 
   sc.lane_acc.assign(W * kD, 0.f);
   sc.lane_m.assign(W, kNegInf);
@@ -557,10 +578,10 @@ void attend_lanes(const AttentionArgs<scalar_t>& a, const AttentionWork& w, int6
       }
     }
     for (int64_t j = nt; j < nt_padded; ++j) k_rows[j] = v_rows[j] = zero_row;
-    const bool masked = nt < kKvTile || t0 + nt - 1 > min_pos;
+    const bool masked = nt < kKvTile || t0 + nt - 1 > min_pos || t0 < max_start;
     vec16 tile_max[kRV];
-    tile_scores<kD, kRV>(q_lanes, k_rows, nt, masked, row_pos, t0, a.scale, sc.p.data(),
-                         tile_max);
+    tile_scores<kD, kRV>(q_lanes, k_rows, nt, masked, row_pos, row_start, t0, a.scale,
+                         sc.p.data(), tile_max);
     tile_softmax<kRV>(sc.p.data(), nt_padded, tile_max, sc.lane_m.data(), sc.lane_l.data(),
                       sc.alpha.data());
 #if defined(__AVX512BF16__)
@@ -606,10 +627,14 @@ void attend_lanes_amx(const AttentionArgs<scalar_t>& a, const AttentionWork& w, 
   const auto* v_cache = reinterpret_cast<const uint16_t*>(a.v_cache);
 
   // Q^T as pairs; padding lanes are zero, at position -1 (they see no key, never read).
-  // 16 rows at a time: each row's kD / 2 words, transposed 16 x 16.
+  // 16 rows at a time: each row's kD / 2 words, transposed 16 x 16. Each row sees the keys
+  // [start, pos].
   sc.q_pairs.resize(kD / 2 * W);
-  alignas(64) int32_t pos[W];
-  for (int r = 0; r < W; ++r) pos[r] = r < count ? first_pos + (row_begin + r) / G : -1;
+  alignas(64) int32_t pos[W], start[W];
+  for (int r = 0; r < W; ++r) {
+    pos[r] = r < count ? first_pos + (row_begin + r) / G : -1;
+    start[r] = static_cast<int32_t>(window_start(std::max(pos[r], 0), a.window));
+  }
   for (int rv = 0; rv < kRV; ++rv) {
     for (int c = 0; c < kD / 32; ++c) {
       __m512i words[16];
@@ -629,8 +654,11 @@ void attend_lanes_amx(const AttentionArgs<scalar_t>& a, const AttentionWork& w, 
       }
     }
   }
-  __m512i row_pos[kRV];
-  for (int rv = 0; rv < kRV; ++rv) row_pos[rv] = _mm512_load_si512(pos + 16 * rv);
+  __m512i row_pos[kRV], row_start[kRV];
+  for (int rv = 0; rv < kRV; ++rv) {
+    row_pos[rv] = _mm512_load_si512(pos + 16 * rv);
+    row_start[rv] = _mm512_load_si512(start + 16 * rv);
+  }
 
   // Per tile: S^T, gathered K rows, V^T, P^T pairs; the item's O^T.
   sc.s_t.resize(kKv * W);
@@ -747,15 +775,18 @@ void attend_lanes_amx(const AttentionArgs<scalar_t>& a, const AttentionWork& w, 
   // these rows scaled by alpha (skipped where no maximum moved).
   const auto softmax = [&](const Tile& tl, int rv) {
     float* const s = tl.s + 16 * rv;
-    // Masks only where the tile is short or crosses these rows' causal diagonal.
-    const bool masked = tl.short_tile || tl.t0 + tl.nt - 1 > pos[16 * rv];
+    // Masks only where the tile is short or crosses these rows' causal diagonal or the start
+    // of one's window (positions grow with the row).
+    const bool masked = tl.short_tile || tl.t0 + tl.nt - 1 > pos[16 * rv] ||
+                        tl.t0 < start[std::min<int64_t>(16 * rv + 15, count - 1)];
     for (int64_t j = tl.nkt * 16; j < tl.nks * 32; ++j) _mm512_storeu_ps(s + j * W, neg_inf);
     __m512 tile_max = neg_inf;
     if (masked) {
       for (int64_t j = 0; j < tl.nkt * 16; ++j) {
         const __m512i key =
             _mm512_set1_epi32(j < tl.nt ? static_cast<int>(tl.t0 + j) : INT32_MAX);
-        const __mmask16 visible = _mm512_cmpge_epi32_mask(row_pos[rv], key);
+        const __mmask16 visible = _mm512_cmpge_epi32_mask(row_pos[rv], key) &
+                                  _mm512_cmple_epi32_mask(row_start[rv], key);
         const __m512 x = _mm512_mask_mov_ps(neg_inf, visible, _mm512_loadu_ps(s + j * W));
         _mm512_storeu_ps(s + j * W, x);
         tile_max = _mm512_max_ps(tile_max, x);
@@ -917,9 +948,13 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
                    pos % a.block_size) * Hkv * D;
     }
   };
-  // KV positions <= a query's own position are visible to it (causal).
-  const auto visible = [&](int64_t head_row, int64_t t0, int64_t nt) {
-    return std::min<int64_t>(nt, first_pos + head_row / G - t0 + 1);
+  // The tile's keys [first, end) a query sees: positions up to its own (causal), from its
+  // window's start.
+  const auto visible = [&](int64_t head_row, int64_t t0, int64_t nt, int64_t& first,
+                           int64_t& end) {
+    const int64_t pos = first_pos + head_row / G;
+    first = std::max<int64_t>(0, window_start(pos, a.window) - t0);
+    end = std::min<int64_t>(nt, pos - t0 + 1);
   };
   if constexpr (kD > 0) {
     // Per tile: the K pass (scores), the softmax, the V pass. Each pass prefetches the rows the
@@ -950,9 +985,9 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
         direct_scores<kD>(k_tile + offset[ja], ja, k_tile + offset[jb < 0 ? ja : jb], jb,
                           num_heads, head_rows, qs, p);
       }
-      int64_t vis[kMaxDirectRows];
-      for (int64_t r = 0; r < head_rows; ++r) vis[r] = visible(r, t0, nt);
-      const int64_t count = direct_softmax<kD>(vis, rows, head_rows, p, sc);
+      int64_t first[kMaxDirectRows], end[kMaxDirectRows];
+      for (int64_t r = 0; r < head_rows; ++r) visible(r, t0, nt, first[r], end[r]);
+      const int64_t count = direct_softmax<kD>(first, end, rows, head_rows, p, sc);
       const int64_t next_count = std::clamp<int64_t>(w.kv_end - (t0 + kKvTile), 0, kKvTile);
       slot_offsets(t0 + kKvTile, next_count, next_offset);
       for (int64_t i = 0; i < count; i += 2) {
@@ -985,9 +1020,10 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
         }
         for (int64_t r = 0; r < head_rows; ++r) {
           const int64_t row = (h - w.kv_head_begin) * head_rows + r;
-          const int64_t vis = visible(r, t0, nt);
-          if (vis <= 0) continue;
-          tile_update_scalar(D, qs + row * D, sc.k_t.data(), sc.v.data(), vis,
+          int64_t first, end;
+          visible(r, t0, nt, first, end);
+          if (end <= first) continue;
+          tile_update_scalar(D, qs + row * D, sc.k_t.data(), sc.v.data(), first, end,
                              sc.acc.data() + row * D, sc.m[row], sc.l[row]);
         }
       }

@@ -18,6 +18,11 @@
 // write the output directly. The chunk length is chosen on the device from the batch's longest
 // context (split_chunk), so it does not depend on how far the block table is padded.
 //
+// With a sliding window (p.window > 0) the query at pos sees keys (pos - window, pos]: a
+// request's KV splits cover only [kv_start, ctx), kv_start its first query's window start (the
+// longest such span picks the chunk), an item reads only from its first row's window start, and
+// the merge combines only the splits a row's window reaches. window = 0 is plain causal.
+//
 // Metadata values are never trusted: cu_q_lens and context_lens are clamped into range, KV
 // positions past the block table are never read, and a block id outside [0, num_blocks) is not
 // dereferenced (its K/V read as zeros, or are skipped by the simple kernel). The result for
@@ -32,16 +37,22 @@
 namespace orca::cuda::attn {
 
 struct Request {
-  int q_start, q_len, ctx, first_pos, num_splits;
+  int q_start, q_len, ctx, first_pos, kv_start, num_splits;
 };
 
 __device__ __forceinline__ int clamp_int(int v, int lo, int hi) { return min(max(v, lo), hi); }
+
+// The first KV position the query at pos sees (0 without a window).
+__device__ __forceinline__ int window_start(const AttentionParams& p, int pos) {
+  return p.window > 0 ? max(0, pos - p.window + 1) : 0;
+}
 
 __device__ __forceinline__ int context_of(const AttentionParams& p, int r) {
   return clamp_int(__ldg(p.context_lens + r), 0, p.max_context);
 }
 
-// Sanitized metadata of request r; num_splits = KV chunks of kv_chunk positions (>= 1).
+// Sanitized metadata of request r; num_splits = KV chunks of kv_chunk positions (>= 1) over
+// the positions [kv_start, ctx) its queries see.
 __device__ __forceinline__ Request load_request(const AttentionParams& p, int r, int kv_chunk) {
   Request q;
   const int a = clamp_int(__ldg(p.cu_q_lens + r), 0, p.num_tokens);
@@ -50,7 +61,8 @@ __device__ __forceinline__ Request load_request(const AttentionParams& p, int r,
   q.q_len = b - a;
   q.ctx = context_of(p, r);
   q.first_pos = q.ctx - q.q_len;
-  q.num_splits = max(1, (q.ctx + kv_chunk - 1) / kv_chunk);
+  q.kv_start = window_start(p, q.first_pos);
+  q.num_splits = max(1, (q.ctx - q.kv_start + kv_chunk - 1) / kv_chunk);
   return q;
 }
 
@@ -119,12 +131,19 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_tc_kernel(const Att
   const int per = (B + kAttnThreads - 1) / kAttnThreads;
   const int begin = min(tid * per, B), end = min(begin + per, B);
 
-  // 1. The longest context -> this launch's KV chunk (the same in every CTA); CTA (0, 0)
-  //    leaves it for the merge kernel.
+  // 1. The longest span of KV a request's queries see (its context without a window) -> this
+  //    launch's KV chunk (the same in every CTA); CTA (0, 0) leaves it for the merge kernel.
   int kv_chunk;
   {
     int longest = 0;
-    for (int r = begin; r < end; ++r) longest = max(longest, context_of(p, r));
+    for (int r = begin; r < end; ++r) {
+      if (p.window > 0) {
+        const Request rq = load_request(p, r, max(p.max_context, 1));
+        longest = max(longest, rq.ctx - rq.kv_start);
+      } else {
+        longest = max(longest, context_of(p, r));
+      }
+    }
     longest = warp_max(longest);
     if (lane == 0) sWarpMax[warp] = longest;
     __syncthreads();
@@ -190,10 +209,13 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_tc_kernel(const Att
     const int m0 = tile * BM;
     const int last_row = min(m0 + BM, rows) - 1;
     const int pos_max = rq.first_pos + last_row / g;
-    const int kv_lo = split * kv_chunk;
-    const int kv_hi = min(min(kv_lo + kv_chunk, rq.ctx), pos_max + 1);
+    // The split's positions from the first row's window start (the earliest of the tile's).
+    const int split_lo = rq.kv_start + split * kv_chunk;
+    const int kv_lo = max(split_lo, window_start(p, rq.first_pos + m0 / g));
+    const int kv_hi = min(min(split_lo + kv_chunk, rq.ctx), pos_max + 1);
     const int n_kv_tiles = kv_hi > kv_lo ? (kv_hi - kv_lo + BN - 1) / BN : 0;
-    // Columns below nomask_hi are visible to every row of the tile.
+    // Columns in [nomask_lo, nomask_hi) are visible to every row of the tile.
+    const int nomask_lo = window_start(p, pos_max);
     const int nomask_hi = min(kv_hi, rq.first_pos + m0 / g + 1);
     const bool to_out = rq.num_splits == 1;
     if (!to_out && n_kv_tiles == 0) continue;  // no row of this tile reaches this split
@@ -248,6 +270,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_tc_kernel(const Att
     const int row0 = m0 + wr * 16 + (lane >> 2), row1 = row0 + 8;
     const int pos0 = row0 < rows ? rq.first_pos + row0 / g : -1;
     const int pos1 = row1 < rows ? rq.first_pos + row1 / g : -1;
+    const int start0 = window_start(p, pos0), start1 = window_start(p, pos1);
     const bool warp_active = m0 + wr * 16 < rows;
     float o[DT][4];
 #pragma unroll
@@ -292,7 +315,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_tc_kernel(const Att
       }
 
       // Online softmax (base 2).
-      const bool need_mask = kv0 + BN > nomask_hi;
+      const bool need_mask = kv0 + BN > nomask_hi || kv0 < nomask_lo;
       const int col_base = kv0 + wc * BNW + ((lane & 3) << 1);
       float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
@@ -302,8 +325,8 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_tc_kernel(const Att
           float v = s[nt][e] * p.scale_log2;
           if (need_mask) {
             const int kv = col_base + nt * 8 + (e & 1);
-            const int pos = (e < 2) ? pos0 : pos1;
-            if (kv > pos || kv >= kv_hi) v = neg_inf();
+            const int pos = (e < 2) ? pos0 : pos1, start = (e < 2) ? start0 : start1;
+            if (kv > pos || kv >= kv_hi || kv < start) v = neg_inf();
           }
           s[nt][e] = v;
           mx[e >> 1] = fmaxf(mx[e >> 1], v);
@@ -435,9 +458,11 @@ __global__ void __launch_bounds__(128) merge_kernel(const AttentionParams p) {
   const Request rq = load_request(p, r, kv_chunk);
   if (rq.num_splits <= 1) return;  // written directly by the attention kernel
   const int pos = rq.first_pos + (token - rq.q_start);
-  const int nv = pos < 0 ? 0 : min(rq.num_splits, pos / kv_chunk + 1);
-  const int64_t prow0 = row_id * p.max_splits;
-  // Splits s = lane and lane + 32 (kAttnMaxSplits <= 64).
+  // The splits [s0, s0 + nv) hold the row's window (the attention kernel wrote all of them).
+  const int s0 = pos < 0 ? 0 : (window_start(p, pos) - rq.kv_start) / kv_chunk;
+  const int nv = pos < 0 ? 0 : min(rq.num_splits, (pos - rq.kv_start) / kv_chunk + 1) - s0;
+  const int64_t prow0 = row_id * p.max_splits + s0;
+  // Splits s0 + lane and s0 + lane + 32 (kAttnMaxSplits <= 64).
   float lse0 = lane < nv ? p.part_lse[prow0 + lane] : neg_inf();
   float lse1 = lane + 32 < nv ? p.part_lse[prow0 + lane + 32] : neg_inf();
   const float mmax = warp_max(fmaxf(lse0, lse1));
@@ -504,7 +529,7 @@ __global__ void __launch_bounds__(128) attention_simple_kernel(const AttentionPa
   const T* vc = static_cast<const T*>(p.v_cache);
   const int32_t* blocks = p.block_table + static_cast<int64_t>(r) * p.max_blocks;
   float m = neg_inf(), l = 0.f;
-  for (int kv = 0; kv < kv_end; ++kv) {
+  for (int kv = window_start(p, pos); kv < kv_end; ++kv) {
     const int blk = __ldg(blocks + kv / p.block_size);
     if (blk < 0 || blk >= p.num_blocks) continue;  // invalid block id: skipped
     const int64_t base =

@@ -1,8 +1,8 @@
 // Torch-free CUDA kernels for packed_linear's epilogues:
 //  - skinny_linear_kernel: the whole op for few tokens (T <= kSkinnyMaxT), a weight-streaming
-//    GEMV-like kernel with bias and activation (including silu(gate) * up) fused, so decode
-//    steps read each weight once and write the output once;
-//  - bias_act_kernel / silu_and_mul_kernel: elementwise epilogues after a cuBLASLt GEMM when
+//    GEMV-like kernel with bias and activation (including the gated act(gate) * up) fused, so
+//    decode steps read each weight once and write the output once;
+//  - bias_act_kernel / act_and_mul_kernel: elementwise epilogues after a cuBLASLt GEMM when
 //    cuBLASLt's own epilogue cannot be used.
 #pragma once
 
@@ -24,6 +24,11 @@ __device__ __forceinline__ float apply_act(float x, Act act) {
     case Act::kRelu: return relu(x);
     default: return x;
   }
+}
+
+// A gated act's activation of the gate.
+__device__ __forceinline__ float gate_act(float x, Act act) {
+  return act == Act::kSiluAndMul ? silu(x) : gelu_tanh(x);
 }
 
 // Eight (or four, for fp32) elements of a 16-byte chunk as floats.
@@ -53,7 +58,7 @@ template <typename T, int TT>
 __global__ void __launch_bounds__(kSkinnyThreads) skinny_linear_kernel(const SkinnyLinearParams p) {
   constexpr int NR = kSkinnyRows, VEC = Chunk<T>::kN, NW = kSkinnyThreads / 32;
   __shared__ float red[NW][NR * TT];
-  const bool glu = p.act == Act::kSiluAndMul;
+  const bool glu = act_gated(p.act);
   const int64_t cols_per_cta = glu ? NR / 2 : NR;
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * cols_per_cta;
   int64_t wrow[NR];
@@ -115,7 +120,7 @@ __global__ void __launch_bounds__(kSkinnyThreads) skinny_linear_kernel(const Ski
     return s;
   };
   const int64_t col = n0 + i;
-  const float y = glu ? silu(total(i, col)) * total(i + NR / 2, p.N + col)
+  const float y = glu ? gate_act(total(i, col), p.act) * total(i + NR / 2, p.N + col)
                       : apply_act(total(i, col), p.act);
   static_cast<T*>(p.out)[t * p.N + n0 + i] = from_float<T>(y);
 }
@@ -132,10 +137,10 @@ __global__ void bias_act_kernel(T* y, const T* bias, int64_t T_, int64_t N, Act 
   }
 }
 
-// out[t, i] = silu(y[t, i]) * y[t, I + i] for y [T, 2I]; each thread handles a 16-byte chunk
-// (VEC = 16 / sizeof(T), needs I % VEC == 0) or, with VEC = 1, one element.
+// out[t, i] = act(y[t, i]) * y[t, I + i] for y [T, 2I] and a gated act; each thread handles a
+// 16-byte chunk (VEC = 16 / sizeof(T), needs I % VEC == 0) or, with VEC = 1, one element.
 template <typename T, int VEC>
-__global__ void silu_and_mul_kernel(const T* y, T* out, int64_t T_, int64_t I) {
+__global__ void act_and_mul_kernel(const T* y, T* out, int64_t T_, int64_t I, Act act) {
   const int64_t per_row = I / VEC, n = T_ * per_row;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -143,7 +148,7 @@ __global__ void silu_and_mul_kernel(const T* y, T* out, int64_t T_, int64_t I) {
     const T* g = y + t * 2 * I + c;
     T* o = out + t * I + c;
     if constexpr (VEC == 1) {
-      o[0] = from_float<T>(silu(to_float<T>(g[0])) * to_float<T>(g[I]));
+      o[0] = from_float<T>(gate_act(to_float<T>(g[0]), act) * to_float<T>(g[I]));
     } else {
       static_assert(VEC * sizeof(T) == 16, "VEC must fill 16 bytes");
       Chunk<T> gc, uc;
@@ -152,7 +157,7 @@ __global__ void silu_and_mul_kernel(const T* y, T* out, int64_t T_, int64_t I) {
       uint4 raw;
       T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) e[k] = from_float<T>(silu(gc.v[k]) * uc.v[k]);
+      for (int k = 0; k < VEC; ++k) e[k] = from_float<T>(gate_act(gc.v[k], act) * uc.v[k]);
       *reinterpret_cast<uint4*>(o) = raw;
     }
   }

@@ -48,6 +48,7 @@ struct AttentionParams {
   int32_t block_shift;  // log2(block_size) when it is a power of two, else -1
   int32_t max_context; // attention_max_context(): context_lens are clamped to [0, max_context]
   int32_t max_splits;  // most KV splits of one request (plan); 1 = no split, no merge
+  int32_t window;      // sliding window: the query at pos sees keys (pos - window, pos]; 0: none
   float scale_log2;    // softmax scale * log2(e)
 };
 
@@ -152,10 +153,15 @@ cudaError_t launch_store_kv(const StoreKvParams& p, cudaStream_t stream);
 
 // ---- packed_linear epilogues -------------------------------------------------------------------
 
-enum class Act { kNone = 0, kGeluTanh = 1, kRelu = 2, kSiluAndMul = 3 };
+enum class Act { kNone = 0, kGeluTanh = 1, kRelu = 2, kSiluAndMul = 3, kGeluTanhAndMul = 4 };
+
+// Gated acts: weight rows gate rows then up rows, out = act(gate) * up (silu or gelu_tanh).
+constexpr bool act_gated(Act act) {
+  return act == Act::kSiluAndMul || act == Act::kGeluTanhAndMul;
+}
 
 // Skinny GEMM with a fused epilogue for few tokens: out[t, n] = act(x[t] . w[n] + b[n]); for
-// kSiluAndMul out[t, n] = silu(x[t] . w[n] + b[n]) * (x[t] . w[N + n] + b[N + n]).
+// a gated act out[t, n] = act(x[t] . w[n] + b[n]) * (x[t] . w[N + n] + b[N + n]).
 struct SkinnyLinearParams {
   const void* x;       // [T, K], rows 16-byte aligned
   const void* weight;  // [N or 2N, K], rows 16-byte aligned
@@ -167,11 +173,11 @@ struct SkinnyLinearParams {
 constexpr int kSkinnyMaxT = 8;
 cudaError_t launch_skinny_linear(const SkinnyLinearParams& p, DType dtype, cudaStream_t stream);
 
-// In-place y[T, N] = act(y + bias) (bias may be null; act is not kSiluAndMul).
+// In-place y[T, N] = act(y + bias) (bias may be null; act is not gated).
 cudaError_t launch_bias_act(void* y, const void* bias, int64_t T, int64_t N, Act act, DType dtype,
                             cudaStream_t stream);
-// out[T, I] = silu(y[:, :I]) * y[:, I:] for y [T, 2I] contiguous.
-cudaError_t launch_silu_and_mul(const void* y, void* out, int64_t T, int64_t I, DType dtype,
-                                cudaStream_t stream);
+// out[T, I] = act(y[:, :I]) * y[:, I:] for y [T, 2I] contiguous and a gated act.
+cudaError_t launch_act_and_mul(const void* y, void* out, int64_t T, int64_t I, Act act,
+                               DType dtype, cudaStream_t stream);
 
 }  // namespace orca::cuda
