@@ -29,9 +29,11 @@ def build_distributed_engine(config: EngineConfig) -> Engine:
     parallel.check_model(model_config)
     stages = parallel.stage_layers(model_config.num_layers)
     tp = parallel.tensor_parallel_size
-    worker_config = dataclasses.replace(model_config, num_layers=max(len(s) for s in stages),
+    widest = max(len(s) for s in stages)  # the KV cache of the stage with the most layers
+    worker_config = dataclasses.replace(model_config, num_layers=widest,
                                         num_heads=model_config.num_heads // tp,
-                                        num_kv_heads=model_config.num_kv_heads // tp)
+                                        num_kv_heads=model_config.num_kv_heads // tp,
+                                        layer_types=model_config.layer_types[:widest])
     # On a CPU, this node's workers hold their caches in this machine's memory.
     local_caches = parallel.num_workers // parallel.nnodes if device == "cpu" else 1
     num_blocks, _ = plan_kv_blocks(worker_config, config.block_size, config.dtype, device,
