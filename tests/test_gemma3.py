@@ -68,7 +68,10 @@ def test_every_tensor_equals_transformers_gguf_load(hf_model):
 
 
 def test_packed_mixed_batch_logits_match_transformers(loaded, hf_model):
-    check_packed_logits(loaded, hf_model, 262144, 16, "cpu", seed=0, atol=1e-4,
+    """Logits reach ~120 here: on a 600-token prompt transformers' own float32 logits are up to
+    2.9e-4 from its float64 ones and ours 4.1e-4, so two float32 implementations summing in
+    different orders through 18 layers differ by up to ~5e-4."""
+    check_packed_logits(loaded, hf_model, 262144, 16, "cpu", seed=0, atol=1e-3,
                         schedule=LONG_SCHEDULE)
 
 
