@@ -9,13 +9,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+
+if TYPE_CHECKING:
+    from .decoder import RopeSpec
 
 
 @dataclass
@@ -119,8 +122,8 @@ class RMSNorm(Layer):
         return "rms_norm", self.weight, None, self.eps
 
 
-def rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None,
-                  ) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(dim: int, theta: float,
+                  scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``[dim // 2]`` (float32) of a rotary table over ``dim`` dims, with
     linear, llama3 or longrope scaling, and the factor its cos and sin are multiplied by."""
     exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
@@ -149,22 +152,23 @@ class RotaryEmbedding(Layer):
     """Neox-style (rotate-half) rotary tables, one per ``RopeSpec`` (Gemma 3's local and
     global layers use two); all rotate the same number of dims."""
 
-    def __init__(self, ropes: Sequence[Any]) -> None:
+    def __init__(self, ropes: Sequence[RopeSpec]) -> None:
         super().__init__()
         if len({rope.dim for rope in ropes}) != 1:
             raise ValueError("every rotary table of a model must rotate the same dims")
         tables = [rope_inv_freq(rope.dim, rope.theta, rope.scaling) for rope in ropes]
         self.register_buffer("inv_freq", torch.stack([t[0] for t in tables]), persistent=False)
-        self.factors = [t[1] for t in tables]
+        factors = [t[1] for t in tables]
+        self.register_buffer("factors", torch.tensor(factors)[:, None, None]
+                             if any(f != 1.0 for f in factors) else None, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """cos and sin stacked ``[2, R, T, rotary_dim // 2]`` for the packed positions;
         computed once per iteration in float32, as Hugging Face does."""
         freqs = positions[None, :, None].float() * self.inv_freq[:, None]
         cos, sin = freqs.cos(), freqs.sin()
-        if any(f != 1.0 for f in self.factors):
-            factors = torch.tensor(self.factors)[:, None, None]
-            cos, sin = cos * factors, sin * factors
+        if self.factors is not None:
+            cos, sin = cos * self.factors, sin * self.factors
         return torch.stack((cos, sin)).to(dtype)
 
 
