@@ -43,6 +43,7 @@ _BLOCK_PREFIX = {"llama": "model.layers.", "gpt2": "transformer.h."}
 # GPT-2's Conv1D weights are [in, out] in Hugging Face checkpoints; llama.cpp stores [out, in].
 _CONV1D_PARTS = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
 
+
 def _tensor_types() -> dict[str, Any]:
     from gguf import GGMLQuantizationType as Q
 
