@@ -38,8 +38,8 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
 _SPIECE_SPACE = "\u2581"  # SentencePiece's spelling of a space
 # Gemma files spell their whitespace-run tokens with real spaces ("  "), which SentencePiece
-# spells with its own; and their merges follow the vocabulary's order, not the scores (which
-# give every user-defined token the same -1000).
+# spells with its own; their merges follow the vocabulary's order, not the scores (which give
+# every user-defined token the same -1000); and no space is prepended to the text.
 _GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
 
 
@@ -143,7 +143,8 @@ def _sentencepiece_bpe(file: GGUFFile, tokens: list[str], types: list[int]
     vocab = {t: i for i, t in enumerate(spelled)}
     inner = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
                                     unk_token=spelled[int(unk)] if unk is not None else None))
-    prefix = bool(file.value("tokenizer.ggml.add_space_prefix", True))
+    # Gemma's SentencePiece model adds no dummy prefix, whatever the file says (transformers).
+    prefix = not gemma and bool(file.value("tokenizer.ggml.add_space_prefix", True))
     inner.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement=_SPIECE_SPACE, prepend_scheme="first" if prefix else "never", split=False)
     steps = [decoders.Replace(_SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
