@@ -81,6 +81,38 @@ def test_gemma_vocabulary_pieces(ours, reference):
     assert ours.decode(ours.encode("<start_of_turn>hi")) == "hi"  # special ones skipped
 
 
+def test_gemma_rules_on_a_small_file(tmp_path):
+    """A gemma3 file's tokenizer alone, as transformers builds it: space runs stored with real
+    spaces and user-defined, merges in vocabulary order whatever the scores, and no prefix space
+    even where the file asks for one."""
+    tokens = (["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "\n", "  ", "   "]
+              + [f"<0x{b:02X}>" for b in range(256)]
+              + ["a", "b", "c", "\u2581", "\u2581a", "ab", "bc", "abc", "\u2581ab",
+                 "\u2581\u2581a", "ca"])
+    types = [3, 3, 3, 2, 3, 4, 4, 4] + [6] * 256 + [1] * 11
+    scores = [-1000.0] * 264 + [-float(i) for i in range(11)]
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "gemma3")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores(scores)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_add_space_prefix(True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours = gguf_tokenizer(GGUFFile(tmp_path / "t.gguf"))
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
+    for text in ("abc a  ab", " ab   abca\n<start_of_turn>x", "bcab  a", "  a", "a   a"):
+        assert ours.encode(text) == reference.encode(text), repr(text)
+        assert ours.decode(ours.encode(text), skip_special_tokens=False) == \
+            reference.decode(reference.encode(text), skip_special_tokens=False)
+    assert ours.encode("ab") == [2, 269]  # no "\u2581ab": no prefix space
+
+
 def _random_vocabulary(seed: int) -> tuple[list[str], list[float]]:
     """Every character of a small alphabet (non-ASCII included), then random distinct strings
     of 2 to 7 characters; scores with many ties."""
