@@ -7,11 +7,20 @@ import asyncio
 
 import pytest
 
-from engine_fakes import CharTokenizer, FakeSlotAllocator, KVFakeRunner
-from orca_ext import LLM, SamplingParams
-from orca_ext.engine import Engine
-from orca_ext.scheduler import SchedulerConfig, make_scheduler
-from orca_ext.server.chat import ChatTemplate, NoChatTemplateError, load_chat_template
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from engine_fakes import CharTokenizer, FakeSlotAllocator, KVFakeRunner  # noqa: E402
+
+from orca_ext import LLM, SamplingParams  # noqa: E402
+from orca_ext.distributed import ParallelConfig  # noqa: E402
+from orca_ext.engine import Engine  # noqa: E402
+from orca_ext.scheduler import SchedulerConfig, make_scheduler  # noqa: E402
+from orca_ext.server.__main__ import build_core, build_parser  # noqa: E402
+from orca_ext.server.chat import (  # noqa: E402
+    ChatTemplate, NoChatTemplateError, load_chat_template,
+)
+from orca_ext.server.http import create_app  # noqa: E402
 
 USER = [{"role": "user", "content": "hi"}]
 # orca-tiny's tokenizer is one token per UTF-8 byte, and <|endoftext|> (256) is its bos and eos.
@@ -65,13 +74,6 @@ def test_load_chat_template(tmp_path):
 
 
 # --- the server -------------------------------------------------------------------------------
-
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("fastapi")
-
-from orca_ext.distributed import ParallelConfig  # noqa: E402
-from orca_ext.server.__main__ import build_core, build_parser  # noqa: E402
-from orca_ext.server.http import create_app  # noqa: E402
 
 TINY = ["--model", "orca-tiny", "--device", "cpu", "--dtype", "float32", "--kv-cache-tokens",
         "256", "--max-num-seqs", "2"]
