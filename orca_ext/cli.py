@@ -2,10 +2,11 @@
 
     orca-generate [--model smollm2-135m-instruct] [--prompt TEXT ...] [--max-tokens 64]
                   [--temperature 0] [--top-p 1] [--seed N] [--policy orca] [--dtype auto]
-                  [--chat | --no-chat] [--json]
+                  [--chat | --no-chat] [--chat-template FILE_OR_TEXT] [--json]
 
 Prompts come from ``--prompt`` (repeatable) or, without it, one per line of standard input. A
-model with a chat template gets each prompt as a user message (``--no-chat``: as raw text).
+model with a chat template (or one given with ``--chat-template``, as orca-serve's) gets each
+prompt as a user message (``--no-chat``: as raw text).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from .llm import LLM
 from .model.builtin import DEFAULT_MODEL
 from .sampling_params import SamplingParams
+from .server.chat import load_chat_template
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,21 +36,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                         choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto: bfloat16 where the CPU has AMX or AVX512-BF16, else float32")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                        help="send each prompt as a user message through the model's chat "
-                             "template (default: when the model has one)")
+                        help="send each prompt as a user message through the chat template "
+                             "(default: when the model has one or --chat-template gives one)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                        help="a Jinja chat template, a file or its text (as orca-serve's); "
+                             "replaces the model's own")
     parser.add_argument("--json", action="store_true", help="one JSON object per output line")
     args = parser.parse_args(argv)
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         parser.error("no prompts: pass --prompt or lines on standard input")
     try:
+        template = load_chat_template(args.chat_template)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, seed=args.seed)
         llm = LLM(args.model, dtype=args.dtype, policy=args.policy)
-        chat = llm.engine.chat_template is not None if args.chat is None else args.chat
+        chat = args.chat if args.chat is not None else \
+            template is not None or llm.engine.chat_template is not None
         if chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
-                               use_tqdm=len(prompts) > 1)
+                               use_tqdm=len(prompts) > 1, chat_template=template)
         else:
             outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     except (ValueError, FileNotFoundError) as exc:

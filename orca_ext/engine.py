@@ -93,7 +93,8 @@ class Engine:
     def __init__(self, executor: Executor | PipelinedExecutor, scheduler: Scheduler, *,
                  max_model_len: int, tokenizer: Tokenizer | None = None,
                  eos_token_ids: Iterable[int] = (), vocab_size: int | None = None,
-                 chat_template: str | None = None, bos_token_id: int | None = None) -> None:
+                 chat_template: str | None = None, bos_token_id: int | None = None,
+                 eos_token_id: int | None = None) -> None:
         if scheduler.config.num_batches_in_flight == 1:
             self._executor: PipelinedExecutor = _InlineExecutor(executor)
         elif hasattr(executor, "submit") and hasattr(executor, "collect"):
@@ -107,7 +108,9 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         self.chat_template = chat_template  # the model's own (jinja2), None if it has none
+        # The tokenizer's own begin and end of sequence: a chat template's bos_token, eos_token.
         self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
         self.num_generated_tokens = 0
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[int, _Sequence] = {}

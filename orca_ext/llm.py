@@ -73,25 +73,18 @@ class LLM:
 
     def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
         """Generate a reply to each conversation (a list of ``{"role", "content"}`` messages, or
-        a list of such lists), rendered with the model's chat template (or a plain
-        "role: content" one for a model without)."""
+        a list of such lists), rendered with ``chat_template`` (a Jinja template's text) or else
+        the model's own; ValueError when the model has none and none is given."""
         from .server.chat import ChatTemplate
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        engine = self.engine
-        tokenizer = engine.tokenizer
-        if tokenizer is None:
+        if self.engine.tokenizer is None:
             raise ValueError("chat needs a model with a tokenizer")
-
-        def token(token_id: int | None) -> str | None:
-            return None if token_id is None else tokenizer.inner.id_to_token(token_id)
-
-        eos = min(engine.eos_token_ids) if engine.eos_token_ids else None
-        template = ChatTemplate(engine.chat_template, bos_token=token(engine.bos_token_id),
-                                eos_token=token(eos))
-        prompts = [tokenizer.encode(template.render(list(c)), add_special_tokens=False)
+        template = ChatTemplate.for_engine(self.engine, chat_template)
+        prompts = [self.engine.tokenizer.encode(template.render(list(c)),
+                                                add_special_tokens=False)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

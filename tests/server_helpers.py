@@ -21,6 +21,11 @@ import pytest
 START_TIMEOUT = 120.0  # importing torch and building the model on a busy 2-core machine
 # The built-in model with a small KV pool (the tests' requests are short).
 BASE_ARGS = ["--model", "orca-tiny", "--kv-cache-tokens", "4096", "--log-level", "warning"]
+# orca-tiny has no chat template; the tests chat with it through this one (--chat-template):
+# one "role: content" line per message, then "assistant:".
+PLAIN_CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: "
+                       "{{ message['content'] }}\n{% endfor %}"
+                       "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 def _die_with_parent() -> None:
@@ -140,11 +145,13 @@ _SHARED: dict[str, ServerProcess] = {}
 
 @pytest.fixture(scope="session")
 def server() -> ServerProcess:
-    """The shared plain server: HTTP + gRPC, no key, body limit 1 MiB."""
+    """The shared plain server: HTTP + gRPC, no key, body limit 1 MiB, the plain chat
+    template."""
     srv = _SHARED.get("main")
     if srv is None or not srv.alive():
         srv = _SHARED["main"] = ServerProcess("--grpc-port", "0", "--max-body-bytes", "1MiB",
-                                              "--max-batch-size", "32").start()
+                                              "--max-batch-size", "32", "--chat-template",
+                                              PLAIN_CHAT_TEMPLATE).start()
     yield srv
     srv.stop()
 

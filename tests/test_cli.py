@@ -39,3 +39,17 @@ def test_the_default_model_answers_a_chat_question(capsys):
     [line] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert "Paris" in line["text"]
     assert line["finish_reason"] == "stop"
+
+
+def test_chat_template_flag(capsys):
+    """orca-tiny has no chat template: --chat is refused until --chat-template gives one."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "orca-tiny", "--prompt", "hi", "--chat"])
+    assert exit_info.value.code == 2
+    assert "no chat template" in capsys.readouterr().err
+    assert main(["--model", "orca-tiny", "--prompt", "hi", "--max-tokens", "4", "--json",
+                 "--chat-template", "<{{ messages[0]['content'] }}>"]) == 0
+    [line] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    [expected] = LLM("orca-tiny").generate(["<hi>"], greedy, use_tqdm=False)
+    assert line["token_ids"] == list(expected.outputs[0].token_ids)

@@ -357,10 +357,11 @@ def test_server_reports_cached_tokens_and_metrics():
     from orca_ext import build_engine
     from orca_ext.async_engine import AsyncEngine
     from orca_ext.server import create_app
+    from server_helpers import PLAIN_CHAT_TEMPLATE
 
     engine = AsyncEngine(build_engine(EngineConfig("orca-tiny", device="cpu", max_batch_size=4,
                                                    kv_cache_tokens=1024)))
-    app = create_app(engine, model_name="tiny")
+    app = create_app(engine, model_name="tiny", chat_template=PLAIN_CHAT_TEMPLATE)
     prompt = "You are a helpful assistant. Answer briefly and politely. " * 2
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "ignore_eos": True}
 

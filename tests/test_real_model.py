@@ -4,13 +4,10 @@ mixed batch, greedy chat answers under both KV policies, the tokenizer on 50 KB 
 and the server with the real ``openai`` client."""
 from __future__ import annotations
 
-import inspect
-import json
-import pydoc_data.topics
-
 import pytest
 import torch
 import transformers
+from mixed_text import mixed_text
 from server_helpers import ServerProcess
 from test_model import check_packed_logits
 
@@ -145,18 +142,9 @@ def test_greedy_chat_answers_equal_transformers(loaded, hf_tokenizer, hf_answers
     assert [list(c.outputs[0].token_ids) for c in chats] == hf_answers[:2]
 
 
-def _mixed_text() -> str:
-    """About 60 KB: English prose and Python code, emoji, CJK, runs of spaces and newlines."""
-    prose = "".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))[:40000]
-    code = inspect.getsource(json.decoder) + inspect.getsource(inspect.getmodule(pytest.fixture))
-    extras = ("😀🎉👍🏽 naïve café – “quotes” — 日本語のテキストと中文字符，한국어 문장. "
-              "\t\ttabs   and    spaces\n\n\n\n  indented\r\nwindows\n" * 60)
-    return prose + code[:15000] + extras
-
-
 def test_tokenizer_equals_transformers_on_mixed_text(hf_tokenizer):
     ours = load_model_info(DEFAULT_MODEL).tokenizer
-    text = _mixed_text()
+    text = mixed_text()
     assert len(text.encode()) >= 50_000
     ids = ours.encode(text)
     assert ids == hf_tokenizer.encode(text)

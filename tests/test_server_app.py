@@ -15,7 +15,6 @@ from orca_ext import EngineConfig, build_engine  # noqa: E402
 from orca_ext.server import ServingCore, create_app, start_grpc_server  # noqa: E402
 from orca_ext.server import orca_pb2, orca_pb2_grpc  # noqa: E402
 from orca_ext.server.__main__ import main, parse_size  # noqa: E402
-from orca_ext.server.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate  # noqa: E402
 from orca_ext.server.protocol import APIError  # noqa: E402
 
 
@@ -38,8 +37,7 @@ def test_custom_chat_template(engine):
                 "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
                 "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}"
                 "{% endif %}")
-    app = create_app(engine, model_name="tiny", chat_template=template,
-                     bos_token="<|endoftext|>")
+    app = create_app(engine, model_name="tiny", chat_template=template)
 
     async def main():
         good = await call(app, "POST", "/v1/chat/completions", json={
@@ -51,18 +49,10 @@ def test_custom_chat_template(engine):
 
     good, bad = asyncio.run(main())
     assert good.status_code == 200, good.text
-    # <|endoftext|> is one special token; then "[user]abc[assistant]" byte by byte
+    # bos_token is orca-tiny's <|endoftext|>, one special token; then "[user]abc[assistant]"
+    # byte by byte
     assert good.json()["usage"]["prompt_tokens"] == 1 + len("[user]abc[assistant]")
     assert bad.status_code == 400 and "user first" in bad.json()["error"]["message"]
-
-
-def test_default_chat_template():
-    text = ChatTemplate(None).render([{"role": "system", "content": "S"},
-                                      {"role": "user", "content": "U"}])
-    assert text == "system: S\nuser: U\nassistant:"
-    assert ChatTemplate(DEFAULT_CHAT_TEMPLATE).render([], add_generation_prompt=False) == ""
-    with pytest.raises(ValueError, match="does not compile"):
-        ChatTemplate("{% for %}")
 
 
 def test_grpc_and_http_share_one_loop_and_core(engine):

@@ -102,7 +102,7 @@ def test_chat(client):
     (choice,) = out.choices
     assert out.object == "chat.completion" and choice.message.role == "assistant"
     assert choice.finish_reason == "length" and out.usage.completion_tokens == 5
-    # The plain template: "role: content\n" per message, then "assistant:".
+    # The servers' --chat-template: "role: content\n" per message, then "assistant:".
     assert out.usage.prompt_tokens == len("system: Be brief.\nuser: Hi!\nassistant:")
     content = choice.logprobs.content
     assert len(content) == 5 and all(len(t.top_logprobs) == 2 for t in content)

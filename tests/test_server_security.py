@@ -15,7 +15,7 @@ grpc = pytest.importorskip("grpc")
 pytest.importorskip("cryptography")
 pytest.importorskip("fastapi")
 
-from server_helpers import ServerProcess, make_self_signed_cert  # noqa: E402
+from server_helpers import PLAIN_CHAT_TEMPLATE, ServerProcess, make_self_signed_cert  # noqa: E402
 
 from orca_ext.server import orca_pb2, orca_pb2_grpc  # noqa: E402
 
@@ -34,7 +34,7 @@ def secure_server(tls):
     cert, key, context = tls
     srv = ServerProcess("--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--api-key", KEY,
                         "--grpc-port", "0", "--max-batch-size", "1", "--max-queue", "1",
-                        verify=context, api_key=KEY)
+                        "--chat-template", PLAIN_CHAT_TEMPLATE, verify=context, api_key=KEY)
     srv.start()
     yield srv
     assert srv.stop() == 0  # a clean shutdown on SIGTERM

@@ -47,4 +47,5 @@ def build_distributed_engine(config: EngineConfig) -> Engine:
     return Engine(executor, make_scheduler(config.scheduler_config(), allocator),
                   max_model_len=info.max_model_len, tokenizer=info.tokenizer,
                   eos_token_ids=info.eos_token_ids, vocab_size=model_config.vocab_size,
-                  chat_template=info.chat_template, bos_token_id=model_config.bos_token_id)
+                  chat_template=info.chat_template, bos_token_id=model_config.bos_token_id,
+                  eos_token_id=next(iter(model_config.eos_token_ids), None))

@@ -5,7 +5,8 @@ tokens, chat template) and its tensors under llama.cpp's names, often in a block
 ``GGUFFile`` checks the file once; ``hf_config`` turns its metadata into the Hugging Face
 ``config.json`` keys ``ModelConfig.from_hf`` reads; ``GGUFCheckpoint`` presents its tensors under
 Hugging Face names and layout, dequantized on demand (``raw`` keeps the stored blocks for a
-quantized path); ``gguf_tokenizer`` rebuilds the tokenizer as a ``tokenizers.Tokenizer``.
+quantized path); ``gguf_tokenizer`` (in gguf_tokenizer.py) rebuilds the tokenizer as a
+``tokenizers.Tokenizer``.
 """
 from __future__ import annotations
 
@@ -16,10 +17,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
-from tokenizers import Tokenizer as _HFTokenizer
 
-from .tokenizer import Tokenizer, bytes_to_unicode
+from .gguf_tokenizer import gguf_tokenizer  # noqa: F401  (imported from here by the loader)
 from .weights import Checkpoint
 
 # General llama.cpp architecture -> Hugging Face architecture (Mistral files say "llama").
@@ -53,24 +52,6 @@ _NORM_SHIFTS = {"gemma3": 1.0}
 # GPT-2's Conv1D weights are [in, out] in Hugging Face checkpoints; llama.cpp stores [out, in].
 _CONV1D_PARTS = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
 
-# Text splits before byte-level BPE, by ``tokenizer.ggml.pre`` (llama.cpp's pre-tokenizer
-# names): the regexes llama.cpp's llama-vocab.cpp applies, in order.
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
-    "default": (_GPT2_SPLIT,), "gpt2": (_GPT2_SPLIT,), "gpt-2": (_GPT2_SPLIT,),
-    "smollm": (r"\p{N}", _GPT2_SPLIT), "starcoder": (r"\p{N}", _GPT2_SPLIT),
-    "refact": (r"\p{N}", _GPT2_SPLIT), "codeshell": (r"\p{N}", _GPT2_SPLIT),
-    "llama3": (_LLAMA3_SPLIT,), "llama-v3": (_LLAMA3_SPLIT,), "llama-bpe": (_LLAMA3_SPLIT,),
-    "smaug-bpe": (_LLAMA3_SPLIT,), "dbrx": (_LLAMA3_SPLIT,), "falcon3": (_LLAMA3_SPLIT,),
-    "qwen2": (_QWEN2_SPLIT,), "deepseek-r1-qwen": (_QWEN2_SPLIT,),
-}
-
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
-
 
 def _tensor_types() -> dict[str, Any]:
     from gguf import GGMLQuantizationType as Q
@@ -88,12 +69,14 @@ class GGUFFile:
         if not self.path.is_file():
             raise ValueError(f"GGUF file {str(self.path)!r} does not exist")
         try:
-            from gguf import GGML_QUANT_SIZES, GGUFReader
+            from gguf import GGML_QUANT_SIZES
+
+            from .gguf_reader import GGUFArrayReader
         except ImportError:
             raise ValueError(f"{self.path}: reading GGUF files needs the 'gguf' package "
                              "(pip install gguf)") from None
         try:
-            reader = GGUFReader(self.path)
+            reader = GGUFArrayReader(self.path)
         except Exception as e:  # the reader raises whatever its parser hits on a bad file
             raise ValueError(f"{self.path}: not a readable GGUF file "
                              f"({type(e).__name__}: {e})") from None
@@ -318,121 +301,3 @@ class GGUFCheckpoint(Checkpoint):
         else:
             out.view(heads, 2, rows // heads // 2, -1).copy_(
                 blocks.view(heads, rows // heads // 2, 2, -1).transpose(1, 2))
-
-
-def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
-    """The tokenizer the file's metadata describes: byte-level BPE (``gpt2``) with the
-    pre-tokenizer ``tokenizer.ggml.pre`` names, or SentencePiece BPE (``llama``)."""
-    kind = file.value("tokenizer.ggml.model")
-    tokens = file.value("tokenizer.ggml.tokens")
-    if not tokens:
-        raise ValueError(f"{file.path}: the file has no tokenizer (tokenizer.ggml.tokens)")
-    types = file.value("tokenizer.ggml.token_type") or [1] * len(tokens)
-    if kind == "gpt2":
-        inner, specials = _byte_level_bpe(file, tokens, types)
-        add_bos = bool(file.value("tokenizer.ggml.add_bos_token", False))
-    elif kind == "llama":
-        inner, specials = _sentencepiece_bpe(file, tokens, types)
-        add_bos = bool(file.value("tokenizer.ggml.add_bos_token", True))
-    else:
-        raise ValueError(f"{file.path}: unsupported tokenizer model {kind!r}; supported: "
-                         "'gpt2' (byte-level BPE), 'llama' (SentencePiece)")
-    inner.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                              for t in specials[_CONTROL]])
-    inner.add_tokens([AddedToken(t, special=False, normalized=False)
-                      for t in specials[_USER_DEFINED]])
-    template = []
-    for flag, key in ((add_bos, "bos"), (bool(file.value("tokenizer.ggml.add_eos_token", False)),
-                                         "eos")):
-        token_id = file.value(f"tokenizer.ggml.{key}_token_id")
-        if flag and token_id is not None:
-            template.append((key, inner.id_to_token(int(token_id)), int(token_id)))
-    if template:
-        head = [t for k, t, _ in template if k == "bos"]
-        tail = [t for k, t, _ in template if k == "eos"]
-        inner.post_processor = processors.TemplateProcessing(
-            single=" ".join([*head, "$A", *tail]),
-            pair=" ".join([*head, "$A", *tail, *head, "$B", *tail]),
-            special_tokens=[(t, i) for _, t, i in template])
-    return Tokenizer(inner)
-
-
-def _merges(file: GGUFFile) -> list[tuple[str, str]] | None:
-    merges = file.value("tokenizer.ggml.merges")
-    if merges is None:
-        return None
-    pairs = []
-    for merge in merges:
-        left, sep, right = merge.partition(" ")
-        if not sep:
-            raise ValueError(f"{file.path}: tokenizer merge {merge!r} is not two tokens")
-        pairs.append((left, right))
-    return pairs
-
-
-def _byte_level_bpe(file: GGUFFile, tokens: list[str], types: list[int]
-                    ) -> tuple[_HFTokenizer, dict[int, list[str]]]:
-    pre = file.value("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZER_SPLITS:
-        raise ValueError(f"{file.path}: unsupported pre-tokenizer {pre!r}; supported: "
-                         f"{', '.join(PRE_TOKENIZER_SPLITS)}")
-    spelling = bytes_to_unicode()
-    alphabet = set(spelling.values())
-    # A token the file spells outside the byte alphabet is respelled byte by byte, as the
-    # merges spell it.
-    spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode())
-               for t in tokens]
-    merges = _merges(file)
-    if merges is None:
-        raise ValueError(f"{file.path}: a byte-level BPE tokenizer needs tokenizer.ggml.merges")
-    inner = _HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(spelled)}, merges=merges))
-    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated")
-              for r in PRE_TOKENIZER_SPLITS[pre]]
-    inner.pre_tokenizer = pre_tokenizers.Sequence(
-        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    inner.decoder = decoders.ByteLevel()
-    # A control token spelled outside the byte alphabet is a mislabel in the file: not special.
-    specials = {
-        _CONTROL: [t for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet],
-        _USER_DEFINED: [t for t, k in zip(spelled, types) if k == _USER_DEFINED],
-    }
-    return inner, specials
-
-
-def _sentencepiece_bpe(file: GGUFFile, tokens: list[str], types: list[int]
-                       ) -> tuple[_HFTokenizer, dict[int, list[str]]]:
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merges = _merges(file)
-    if merges is None:
-        scores = file.value("tokenizer.ggml.scores")
-        if scores is None or len(scores) != len(tokens):
-            raise ValueError(f"{file.path}: a SentencePiece tokenizer needs "
-                             "tokenizer.ggml.merges or one score per token")
-        merges = merges_from_scores(tokens, scores)
-    unk = file.value("tokenizer.ggml.unknown_token_id")
-    inner = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
-                                    unk_token=tokens[int(unk)] if unk is not None else None))
-    prefix = bool(file.value("tokenizer.ggml.add_space_prefix", True))
-    inner.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
-    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if prefix:
-        steps.append(decoders.Strip(content=" ", left=1, right=0))
-    inner.decoder = decoders.Sequence(steps)
-    specials = {kind: [t for t, k in zip(tokens, types) if k == kind]
-                for kind in (_CONTROL, _USER_DEFINED)}
-    return inner, specials
-
-
-def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
-    """SentencePiece BPE's merges, implied by its vocabulary: every split of a token into two
-    tokens, the best-scored merged token first (ties: the longer left piece first)."""
-    vocab = {t: i for i, t in enumerate(tokens)}
-    ranked = []
-    for token, score in zip(tokens, scores):
-        pairs = [(token[:i], token[i:]) for i in range(1, len(token))
-                 if token[:i] in vocab and token[i:] in vocab]
-        pairs.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
-        ranked.extend((score, left, right) for left, right in pairs)
-    ranked.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
-    return [(left, right) for _, left, right in ranked]

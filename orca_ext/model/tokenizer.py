@@ -36,6 +36,9 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.inner.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.inner.id_to_token(token_id)
+
     def save(self, path: str | Path) -> None:
         self.inner.save(str(path))
 

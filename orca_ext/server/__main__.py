@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "model folder or a GGUF file (default: smollm2-135m-instruct)")
     m.add_argument("--served-model-name", default=None,
                    help="the name clients use in 'model' (default: --model)")
+    m.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                   help="the chat template (Jinja, as in a Hugging Face tokenizer_config.json): "
+                   "a file, or the template's text (backslash escapes such as \\n decoded); "
+                   "replaces the model's own. Without either, chat requests are refused (400)")
     m.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 where the CPU has AMX or AVX512-BF16, else float32), "
                         "float32, float16 or bfloat16")
@@ -178,14 +182,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _token(tokenizer: Any, token_id: int | None) -> str | None:
-    inner = getattr(tokenizer, "inner", None)
-    if token_id is None or inner is None:
-        return None
-    return inner.id_to_token(token_id)
-
-
-def _summary(loaded: Any, engine: Any) -> list[str]:
+def _summary(loaded: Any, engine: Any, chat_template: str) -> list[str]:
     from ..kv import kv_bytes_per_block
 
     config = loaded.config
@@ -203,7 +200,7 @@ def _summary(loaded: Any, engine: Any) -> list[str]:
         f"{config.num_heads} heads ({config.num_kv_heads} KV), vocab {config.vocab_size}, "
         f"{params / 1e6:.1f}M parameters, {str(loaded.dtype).removeprefix('torch.')} on "
         f"{loaded.device}, context {loaded.max_model_len} tokens"
-        f"{', chat template' if loaded.chat_template else ''}",
+        f", chat template: {chat_template}",
         f"KV cache: {allocator.num_blocks} blocks x {allocator.block_size} tokens = "
         f"{allocator.num_blocks * allocator.block_size} tokens, {kv_bytes / 2**20:.1f} MiB; "
         f"policy {engine.scheduler.config.policy}, max batch size "
@@ -310,11 +307,13 @@ def build_core(args: argparse.Namespace, parallel: Any) -> tuple[Any, list[str]]
     from ..build import build_engine, with_context
     from ..config import EngineConfig
     from ..model import load_model, load_model_info
+    from .chat import load_chat_template
     from .core import ServingCore
 
     if args.seed is not None and parallel.enabled:
         raise ValueError("--seed does not reach distributed workers (they sample); give each "
                          "request a seed instead")
+    chat_template = load_chat_template(args.chat_template)  # before the slow load: fail fast
     config = EngineConfig(args.model, dtype=args.dtype, device=args.device,
                           max_model_len=args.max_model_len, max_batch_size=args.max_batch_size,
                           policy=args.policy, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -332,19 +331,18 @@ def build_core(args: argparse.Namespace, parallel: Any) -> tuple[Any, list[str]]
                           else config.replace(model=loaded, quantization=None))
     if args.seed is not None:  # after the build, so that the first request starts from it
         torch.manual_seed(args.seed)
-    eos = loaded.eos_token_ids[0] if loaded.eos_token_ids else None
     async_engine = AsyncEngine(engine, stuck_timeout=args.stuck_timeout)
     try:
         core = ServingCore(async_engine, args.served_model_name or args.model,
-                           chat_template=loaded.chat_template,
-                           bos_token=_token(loaded.tokenizer, loaded.config.bos_token_id),
-                           eos_token=_token(loaded.tokenizer, eos), api_key=args.api_key,
+                           chat_template=chat_template, api_key=args.api_key,
                            max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                            log_requests=not args.disable_log_requests)
     except ValueError:
         async_engine.shutdown()
         raise
-    return core, _summary(loaded, engine)
+    source = "--chat-template" if chat_template is not None else \
+        "the model's" if loaded.chat_template is not None else "none (chat requests get 400)"
+    return core, _summary(loaded, engine, source)
 
 
 if __name__ == "__main__":

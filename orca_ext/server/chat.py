@@ -1,22 +1,53 @@
-"""Chat prompts: the model's own chat template (jinja2, as Hugging Face renders it), or a plain
-documented one for models without a template (such as ``orca-tiny``)."""
+"""Chat prompts: a chat template (jinja2, rendered as Hugging Face renders it), the model's own
+or one given with ``orca-serve --chat-template`` / ``LLM.chat(chat_template=...)``. A model
+without one (a base model such as Gemma 3 270M) has no chat: rendering for it raises
+``NoChatTemplateError``, which says how to give a template."""
 from __future__ import annotations
 
+import codecs
 import json
 from datetime import datetime
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-# One "role: content" line per message, then "assistant:" for the reply.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ message['role'] }}: {{ message['content'] }}\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+NO_CHAT_TEMPLATE = (
+    "the model has no chat template (it is probably a base model, not a chat model): give one "
+    "as a Jinja template, as in a Hugging Face tokenizer_config.json, with orca-serve "
+    "--chat-template FILE_OR_TEXT or LLM.chat(..., chat_template=TEXT), or send the prompt "
+    "text to the completions API")
+# A --chat-template value holding none of these is a file name (vLLM's rule).
+_JINJA_CHARS = "{}\n"
 
 
 class ChatTemplateError(ValueError):
     """The template rejected the conversation (``raise_exception``) or failed to render."""
+
+
+class NoChatTemplateError(ValueError):
+    """A chat request to a model that has no chat template, and none was given."""
+
+    def __init__(self) -> None:
+        super().__init__(NO_CHAT_TEMPLATE)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``'s value as vLLM reads it: the text of the file it names, or else the
+    template itself (with backslash escapes such as ``\\n`` decoded, so that a template fits on
+    a command line); a value without Jinja's characters must name a readable file."""
+    if value is None:
+        return None
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        if not any(c in value for c in _JINJA_CHARS):
+            raise ValueError(f"--chat-template {value!r} looks like a file name but does not "
+                             f"read as one ({exc}); give a Jinja file or the template's "
+                             "text") from None
+    # Non-ASCII characters go through as \u escapes, so that decoding keeps them.
+    return codecs.decode(value.encode("latin-1", "backslashreplace"), "unicode_escape")
 
 
 def _raise_exception(message: str) -> None:
@@ -31,29 +62,44 @@ def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False,
 
 class ChatTemplate:
     """Compile once; ``render(messages)`` returns the prompt text. ``source`` None means the
-    default template above."""
+    model has no template: ``render`` raises ``NoChatTemplateError``."""
 
-    def __init__(self, source: str | None = None, *, bos_token: str | None = None,
+    def __init__(self, source: str | None, *, bos_token: str | None = None,
                  eos_token: str | None = None) -> None:
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        self.is_default = source is None
-        self.source = DEFAULT_CHAT_TEMPLATE if source is None else source
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        try:
-            self._template = env.from_string(self.source)
-        except TemplateError as exc:
-            raise ValueError(f"the chat template does not compile: {exc}") from None
+        self.source = source
+        self._template = None
+        if source is not None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            try:
+                self._template = env.from_string(source)
+            except TemplateError as exc:
+                raise ValueError(f"the chat template does not compile: {exc}") from None
         self._specials = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
+
+    @classmethod
+    def for_engine(cls, engine: Engine, source: str | None = None) -> ChatTemplate:
+        """The template chat requests to ``engine`` render with: ``source`` (a template's text)
+        if given, else the model's own; its ``bos_token`` and ``eos_token`` are the model's."""
+        def token(token_id: int | None) -> str | None:
+            if token_id is None or engine.tokenizer is None:
+                return None
+            return engine.tokenizer.id_to_token(token_id)
+
+        return cls(engine.chat_template if source is None else source,
+                   bos_token=token(engine.bos_token_id), eos_token=token(engine.eos_token_id))
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         from jinja2 import TemplateError
 
+        if self._template is None:
+            raise NoChatTemplateError()
         try:
             return self._template.render(messages=messages,
                                          add_generation_prompt=add_generation_prompt,

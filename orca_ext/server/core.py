@@ -21,7 +21,7 @@ from ..async_engine import AsyncEngine, EngineDeadError
 from ..engine import PromptError
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from .chat import ChatTemplate, ChatTemplateError
+from .chat import ChatTemplate, ChatTemplateError, NoChatTemplateError
 from .metrics import ServerMetrics
 from .protocol import APIError
 
@@ -33,8 +33,7 @@ request_log = logging.getLogger("orca_ext.server.requests")
 
 class ServingCore:
     def __init__(self, engine: AsyncEngine, model_name: str = "orca-tiny", *,
-                 chat_template: str | None = None, bos_token: str | None = None,
-                 eos_token: str | None = None, api_key: str | None = None,
+                 chat_template: str | None = None, api_key: str | None = None,
                  max_queue: int | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_requests: bool = True) -> None:
         if max_queue is not None and max_queue < 1:
@@ -43,8 +42,8 @@ class ServingCore:
         self.model_name = model_name
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
-        self.chat_template = ChatTemplate(chat_template, bos_token=bos_token,
-                                          eos_token=eos_token)
+        # ``chat_template`` (a template's text) replaces the model's own.
+        self.chat_template = ChatTemplate.for_engine(engine.engine, chat_template)
         self.api_key = api_key or None
         self.max_queue = max_queue
         self.max_body_bytes = max_body_bytes
@@ -120,6 +119,8 @@ class ServingCore:
             return self.chat_template.render(messages, add_generation_prompt)
         except ChatTemplateError as exc:
             raise APIError.bad_request(str(exc), "messages") from None
+        except NoChatTemplateError as exc:
+            raise APIError.bad_request(str(exc), code="no_chat_template") from None
 
     # --- running -----------------------------------------------------------------------------
 

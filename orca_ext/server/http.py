@@ -38,9 +38,8 @@ class ClientDisconnected(Exception):
 
 def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
     """The FastAPI app serving ``engine``. ``options`` are ServingCore's (``model_name``,
-    ``chat_template``, ``bos_token``, ``eos_token``, ``api_key``, ``max_queue``,
-    ``max_body_bytes``, ``log_requests``); or pass a ServingCore to share it with the gRPC
-    server."""
+    ``chat_template``, ``api_key``, ``max_queue``, ``max_body_bytes``, ``log_requests``); or
+    pass a ServingCore to share it with the gRPC server."""
     core = engine if isinstance(engine, ServingCore) else ServingCore(engine, **options)
     app = FastAPI(title="orca_ext", version="0.1.0", docs_url=None, redoc_url=None)
     app.state.core = core
