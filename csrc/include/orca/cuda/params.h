@@ -156,7 +156,7 @@ cudaError_t launch_store_kv(const StoreKvParams& p, cudaStream_t stream);
 enum class Act { kNone = 0, kGeluTanh = 1, kRelu = 2, kSiluAndMul = 3, kGeluTanhAndMul = 4 };
 
 // Gated acts: weight rows gate rows then up rows, out = act(gate) * up (silu or gelu_tanh).
-constexpr bool act_gated(Act act) {
+__host__ __device__ constexpr bool act_gated(Act act) {
   return act == Act::kSiluAndMul || act == Act::kGeluTanhAndMul;
 }
 
