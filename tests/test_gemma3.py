@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from test_decoder_stack import run_both
 from test_model import check_packed_logits
 
 from orca_ext import LLM, SamplingParams
 from orca_ext.model import load_model, load_model_info
 from orca_ext.model.builtin import builtin_gguf_path
 from orca_ext.model.loader import open_checkpoint
+from orca_ext.runner.decoder_stack import unsupported_reason
 
 MODEL = "gemma-3-270m"
 PROMPTS = [
@@ -95,15 +97,32 @@ def test_greedy_continuations_equal_transformers(loaded, hf_continuations, polic
                            SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)
     for (_, expected), output in zip(hf_continuations, outputs):
         assert list(output.outputs[0].token_ids) == expected
-    assert "Paris" in outputs[0].outputs[0].text
+    assert "capital" in outputs[0].outputs[0].text
 
 
-def test_stored_formats_run_and_answer(hf_continuations):
-    """The file as the engine runs it by default (quantized blocks, decode steps on the fused
-    stack): greedy continuations mostly equal to the float32 ones."""
-    llm = LLM(MODEL, max_batch_size=4, kv_cache_tokens=2048)
+@pytest.fixture(scope="module")
+def stored():
+    """The file as the engine runs it by default: quantized blocks, decode steps on the stack."""
+    return load_model(MODEL, "float32")
+
+
+def test_stored_formats_fused_stack_is_bit_exact(stored):
+    """Decodes whose contexts outrun the local layers' window, and a short one: the fused stack
+    (two rotary tables, windows per layer, QK and post norms, quantized linears) gives the
+    per-op blocks' hidden states and KV caches bit for bit."""
+    assert unsupported_reason(stored.model) is None
+    (want, want_caches), (got, got_caches) = run_both(stored, [(700, 1), (3, 1), (530, 1)])
+    assert torch.equal(got, want)
+    for (k_want, v_want), (k_got, v_got) in zip(want_caches, got_caches):
+        assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+
+
+def test_stored_formats_answer_as_the_float_weights_begin(stored, hf_continuations):
+    """Greedy continuations on the stored formats start as the float32 weights' do (the file's
+    K-quants are converted to q8_0 at load, so longer runs drift apart)."""
+    llm = LLM(stored, max_batch_size=4, kv_cache_tokens=2048)
     outputs = llm.generate([ids for ids, _ in hf_continuations],
-                           SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
-    equal = sum(list(o.outputs[0].token_ids) == expected[:16]
+                           SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    equal = sum(list(o.outputs[0].token_ids) == expected[:3]
                 for o, (_, expected) in zip(outputs, hf_continuations))
-    assert equal >= 4, f"{equal} of {len(PROMPTS)} continuations equal"
+    assert equal >= 5, f"{equal} of {len(PROMPTS)} continuations start alike"
