@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 
+from . import llama
 from .config import ModelConfig
 from .decoder import BlockSpec, DecoderSpec, LayerSpec, RopeSpec
 from .weights import HFWeight
@@ -35,32 +36,17 @@ def decoder_spec(config: ModelConfig) -> DecoderSpec:
 def hf_weight_map(config: ModelConfig) -> dict[str, HFWeight]:
     """Our parameter name -> the Hugging Face tensors it is made of (fused ones are the
     concatenation of theirs along dim 0; norms shifted by ``NORM_SHIFT``)."""
-    q_size = config.num_heads * config.head_dim
-    kv_size = config.num_kv_heads * config.head_dim
     inter = config.intermediate_size
-
-    def norm(name: str) -> HFWeight:
-        return HFWeight((name,), shift=NORM_SHIFT)
-
-    out: dict[str, HFWeight] = {"embed.weight": HFWeight(("model.embed_tokens.weight",)),
-                                "norm.weight": norm("model.norm.weight")}
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = HFWeight(("lm_head.weight",))
+    out = llama.global_weights(config, NORM_SHIFT)
     for i in range(config.num_layers):
         ours, hf = f"layers.{i}.", f"model.layers.{i}."
         for our_name, hf_name in (("attn_norm", "input_layernorm"),
                                   ("post_attn_norm", "post_attention_layernorm"),
                                   ("mlp_norm", "pre_feedforward_layernorm"),
-                                  ("post_mlp_norm", "post_feedforward_layernorm"),
-                                  ("attn.q_norm", "self_attn.q_norm"),
-                                  ("attn.k_norm", "self_attn.k_norm")):
-            out[f"{ours}{our_name}.weight"] = norm(f"{hf}{hf_name}.weight")
-        for kind in ["weight"] + ["bias"] * config.qkv_bias:
-            out[f"{ours}attn.qkv.{kind}"] = HFWeight(
-                tuple(f"{hf}self_attn.{p}_proj.{kind}" for p in "qkv"),
-                sizes=(q_size, kv_size, kv_size))
-        for kind in ["weight"] + ["bias"] * config.o_bias:
-            out[f"{ours}attn.out.{kind}"] = HFWeight((f"{hf}self_attn.o_proj.{kind}",))
+                                  ("post_mlp_norm", "post_feedforward_layernorm")):
+            out[f"{ours}{our_name}.weight"] = HFWeight((f"{hf}{hf_name}.weight",),
+                                                       shift=NORM_SHIFT)
+        out |= llama.attention_weights(config, ours, hf, NORM_SHIFT)
         out[f"{ours}mlp.up.weight"] = HFWeight(
             (f"{hf}mlp.gate_proj.weight", f"{hf}mlp.up_proj.weight"), sizes=(inter, inter))
         out[f"{ours}mlp.down.weight"] = HFWeight((f"{hf}mlp.down_proj.weight",))

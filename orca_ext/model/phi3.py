@@ -20,12 +20,7 @@ def decoder_spec(config: ModelConfig) -> DecoderSpec:
 def hf_weight_map(config: ModelConfig) -> dict[str, HFWeight]:
     """Our parameter name -> the Hugging Face tensor it is (the checkpoint's own fusions are
     ours: ``qkv_proj`` and ``gate_up_proj``)."""
-    out: dict[str, HFWeight] = {
-        "embed.weight": HFWeight(("model.embed_tokens.weight",)),
-        "norm.weight": HFWeight(("model.norm.weight",)),
-    }
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = HFWeight(("lm_head.weight",))
+    out = llama.global_weights(config)
     for i in range(config.num_layers):
         ours, hf = f"layers.{i}.", f"model.layers.{i}."
         for our_name, hf_name in (("attn_norm", "input_layernorm"),
