@@ -292,8 +292,10 @@ def test_two_node_example_over_loopback(tiny_expected):
     from orca_ext.server.protocol import TokenText
 
     port = str(_free_port())
-    common = ["--model", "orca-tiny", "--tp", "2", "--pp", "2", "--nnodes", "2",
-              "--master-addr", "127.0.0.1", "--master-port", port, "--worker-threads", "1"]
+    # float32 as the single-process reference (the default, auto, is bfloat16 on some CPUs).
+    common = ["--model", "orca-tiny", "--dtype", "float32", "--tp", "2", "--pp", "2",
+              "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
+              "--worker-threads", "1"]
     node1 = subprocess.Popen([sys.executable, "-m", "orca_ext.server", *common,
                               "--node-rank", "1"], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, preexec_fn=_die_with_parent)
