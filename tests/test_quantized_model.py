@@ -22,7 +22,7 @@ from orca_ext.model.quantized import QuantizedEmbedding, QuantizedLinear
 from orca_ext.quantize import dequantize_weight, quantize_weight
 from orca_ext.runner.decoder_stack import build_decoder_stack, unsupported_reason
 
-ARCHS = ["llama", "qwen2", "gpt2"]
+ARCHS = ["llama", "qwen2", "gpt2", "gemma3", "phi3"]
 ISAS = ["portable", "avx2", "avx512", "avx512_vnni", "amx_int8"]
 TOKENS = [5, 17, 200, 3, 99, 42, 7, 250, 1, 64, 128, 33]
 # Each layer's matrices in one native format (a fused qkv / gate_up shares it), the embedding
@@ -31,12 +31,13 @@ LAYER_TYPES = [Q.Q4_1, Q.Q4_0, Q.Q8_0]
 
 
 def native_types(arch: str) -> dict[str, Q]:
-    parts = (["attn_qkv", "attn_output", "ffn_up", "ffn_down"] if arch == "gpt2" else
+    parts = (["attn_qkv", "attn_output", "ffn_up", "ffn_down"] if arch in ("gpt2", "phi3") else
              ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"])
     types = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q4_0}
-    for layer in range(3):
+    config = make_model(arch).config
+    for layer in range(getattr(config, "num_hidden_layers", None) or config.n_layer):
         for part in parts:
-            types[f"blk.{layer}.{part}.weight"] = LAYER_TYPES[layer]
+            types[f"blk.{layer}.{part}.weight"] = LAYER_TYPES[layer % len(LAYER_TYPES)]
     return types
 
 
