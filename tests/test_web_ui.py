@@ -328,6 +328,7 @@ def test_pages_are_served_from_the_package(server: ServerProcess):
             assert r.headers["content-type"] == media_type
             assert not re.search(rb"""(src|href|import|from)\s*=?\s*["'](https?:)?//""", body), name
         assert http.get("/ui/nothing.js").status_code == 404
+        assert http.get("/?name=missing").status_code == 200  # no query parameters
         paths = http.get("/openapi.json").json()["paths"]
         assert not {"/", "/dashboard", "/dashboard/events"} & paths.keys()
 

@@ -8,6 +8,7 @@ but both APIs need the key, which the pages ask for once and keep in the browser
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib import resources
 
 from fastapi import FastAPI, Request
@@ -55,9 +56,13 @@ def add_web_routes(app: FastAPI, core: ServingCore) -> None:
         body, media_type = assets[name]
         return Response(body, media_type=media_type, headers=_SECURITY_HEADERS)
 
+    def page(name: str) -> Callable[[], Response]:
+        def endpoint() -> Response:  # no parameters: FastAPI would read them from the query
+            return serve(name)
+        return endpoint
+
     for path, name in PAGES.items():
-        app.add_api_route(path, lambda name=name: serve(name), methods=["GET"],
-                          include_in_schema=False)
+        app.add_api_route(path, page(name), methods=["GET"], include_in_schema=False)
 
     @app.get("/ui/{name}", include_in_schema=False)
     async def asset(name: str) -> Response:
