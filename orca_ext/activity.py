@@ -23,7 +23,8 @@ _ENDED = ("", 0, 0.0)  # a sequence already ended (request-level batching re-run
 
 
 class Iteration(NamedTuple):
-    """One batch, from the engine step that launched it to the one that applied its result."""
+    """One batch, from the start of the engine step that launched it to the end of the one that
+    applied its result (its outputs built)."""
 
     number: int
     start: float  # time.time()

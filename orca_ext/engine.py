@@ -59,7 +59,7 @@ class EngineStats(SchedulerStats):
     num_requests: int = 0  # unfinished user requests (a request with n > 1 counts once)
     num_generated_tokens: int = 0  # since start
     num_iterations: int = 0  # batches run since start
-    iteration_seconds: float = 0.0  # their summed time, each from its step's start to its result
+    iteration_seconds: float = 0.0  # their summed time, from each one's step start to its outputs
 
 
 @dataclass(eq=False)
@@ -263,7 +263,6 @@ class Engine:
     def _process(self, result: RunnerOutput) -> list[RequestOutput]:
         logprobs = dict(zip(result.request_ids, result.logprobs))
         now = time.time()
-        self.activity.returned(result.batch_id, now)
         touched: dict[str, _Group] = {}
         for request in self.scheduler.update(result):
             seq = self._sequences[request.request_id]
@@ -282,7 +281,9 @@ class Engine:
                     outputs.append(self._end(group, now))
             elif group.stream and not holds:
                 outputs.append(self._output(group))
-        return outputs + self._release_held(now)
+        outputs += self._release_held(now)
+        self.activity.returned(result.batch_id, time.time())  # the whole step, outputs built
+        return outputs
 
     def _release_held(self, now: float) -> list[RequestOutput]:
         """The held finished requests, once the batch they ran in has drained."""

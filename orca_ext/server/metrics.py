@@ -63,8 +63,8 @@ class _EngineCollector:
                  stats.prefix_cache_hits),
                 ("orca_engine_iterations", "Iterations (batches) run since start",
                  stats.num_iterations),
-                ("orca_engine_iteration_seconds", "Their summed time, each from the engine "
-                 "step that launched it to the one that applied its result",
+                ("orca_engine_iteration_seconds", "Their summed time, each from the start of "
+                 "the engine step that launched it to its outputs",
                  stats.iteration_seconds)):
             counter = CounterMetricFamily(name, doc)
             counter.add_metric([], float(value))
