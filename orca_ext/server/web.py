@@ -22,7 +22,7 @@ _MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".css": "text/css; charset=
 # Only this origin's files and connections: a flaw in the Markdown renderer still could not
 # run a script from a reply, nor load anything from elsewhere.
 _SECURITY_HEADERS = {
-    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
+    "Content-Security-Policy": "default-src 'self'; "
                                "frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
