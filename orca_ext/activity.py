@@ -19,7 +19,9 @@ from .request import Request
 
 ITERATIONS_KEPT = 512
 EVENTS_KEPT = 1024
-_ENDED = ("", 0, 0.0)  # a sequence already ended (request-level batching re-runs finished rows)
+# A scheduled sequence the record no longer holds: not expected, but the dashboard must never
+# stop the engine, so it is classified as if its prompt were empty.
+_ENDED = ("", 0, 0.0)
 
 
 class Iteration(NamedTuple):
