@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 BUILD_INPUTS := $(shell find csrc cmake -type f) CMakeLists.txt pyproject.toml
 
-.PHONY: setup run test bench bench-cpp cuda-check
+.PHONY: setup run test bench bench-cpp cuda-check chromium
 setup: $(VENV)/.built $(VENV)/.models
 
 $(VENV)/.deps:
@@ -32,8 +32,17 @@ $(VENV)/.models: $(VENV)/.built Makefile
 run: setup
 	$(VENV)/bin/orca-serve
 
-test: setup
-	$(PY) -m pytest -q
+test: setup chromium
+	ORCA_CHROMIUM=$(CHROMIUM) $(PY) -m pytest -q
+
+# The web UI's tests drive Debian's Chromium with Playwright (whose own browser download cannot
+# reach its host here), installed when missing and running as root; tests/test_web_ui.py
+# launches $(CHROMIUM).
+CHROMIUM ?= /usr/bin/chromium
+chromium:
+	@test -x $(CHROMIUM) || \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update && apt-get install -y chromium; \
+	  else echo "make test needs Chromium for the web UI tests: sudo apt-get install chromium"; exit 1; fi
 
 bench: setup
 	$(PY) bench/ops.py

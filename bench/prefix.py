@@ -1,6 +1,6 @@
 """Prefix caching benchmark: the same request streams with ``enable_prefix_caching`` off and on.
 
-    python bench/prefix.py [--policy orca paged] [--quick] [--json FILE]
+    python bench/prefix.py [--policy orca paged] [--quick] [--json FILE] [--plot PNG ...]
 
 Two workloads, each run in-process (``AsyncEngine``) on one loaded model (default the real one,
 ``smollm2-135m-instruct``), a fresh engine (an empty cache) per run:
@@ -18,7 +18,8 @@ the streams are a function of the arguments and ``--seed`` only, so both setting
 requests. Both settings get the same KV pool: ``--kv-cache-tokens``, else ``KV_CACHE_TOKENS``.
 Reported per run: TTFT p50 / p90 (from a request's scheduled arrival, or a turn's send), output
 tokens/s and requests/s (first arrival to last finish), the prefix cache's hit rate; then each
-workload's TTFT p50 (off / on) and throughput (on / off) ratios.
+workload's TTFT p50 (off / on) and throughput (on / off) ratios. ``--plot`` draws both settings'
+TTFT (p50 bars, p90 marks) and output tokens/s per workload into PNG files (matplotlib).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 import serving  # noqa: E402
 
 QUICK = dict(num_requests=16, system_len=512, conversations=6, turns=4)
@@ -160,6 +162,48 @@ def _line(workload: str, rate: float | None, policy: str, caching: bool,
             f"{point['hit_rate']:>8.0%}")
 
 
+def scenario(point: dict[str, Any], policies: int) -> str:
+    """A plot label for a point's workload (and rate, and policy when several ran)."""
+    if point["workload"] == "multi_turn":
+        name = "multi-turn"
+    else:
+        rate = point["rate"]
+        name = "system prompt,\n" + ("all at once" if rate == math.inf else f"Poisson {rate:g}/s")
+    return f"{name}\n({point['policy']})" if policies > 1 else name
+
+
+def plot(points: Sequence[dict[str, Any]], title: str, paths: Sequence[Path]) -> None:
+    """TTFT and output tokens/s with the cache off and on, one group of bars per workload."""
+    plt = common.pyplot(paths)
+    if plt is None:
+        return
+    policies = len({p["policy"] for p in points})
+    names = list(dict.fromkeys(scenario(p, policies) for p in points))
+    fig, (ttft, throughput) = plt.subplots(1, 2, figsize=(10, 4))
+    width = 0.38
+    for offset, caching, color in ((-width / 2, False, "tab:gray"), (width / 2, True, "tab:blue")):
+        mine = {scenario(p, policies): p for p in points if p["caching"] == caching}
+        xs = [i + offset for i in range(len(names))]
+        label = f"prefix cache {'on' if caching else 'off'}"
+        ttft.bar(xs, [1e3 * mine[n]["ttft"]["p50"] for n in names], width, color=color,
+                 label=label)
+        ttft.plot(xs, [1e3 * mine[n]["ttft"]["p90"] for n in names], "_", color="black",
+                  markersize=14, label="p90" if caching else None)
+        throughput.bar(xs, [mine[n]["output_throughput"] for n in names], width, color=color,
+                       label=label)
+    for ax, ylabel in ((ttft, "TTFT (ms, log scale): p50 bar, p90 mark"),
+                       (throughput, "Output tokens/s")):
+        ax.set_xticks(range(len(names)), names, fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    ttft.set_yscale("log")
+    ttft.yaxis.set_major_formatter(plt.FuncFormatter(lambda value, _: f"{value:g}"))
+    ttft.yaxis.set_minor_formatter(plt.NullFormatter())
+    fig.suptitle(title, fontsize=9)
+    common.save_figure(fig, paths)
+
+
 HEADER = (f"{'workload':<14}{'rate':>5} {'policy':<7}{'cache':<5}{'done':>9}{'TTFT p50':>10}"
           f"{'p90 ms':>10}{'out tok/s':>11}{'req/s':>8}{'hits':>8}")
 
@@ -189,6 +233,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     serving.add_engine_args(parser)
     parser.set_defaults(max_batch_size=64)
     parser.add_argument("--json", default=None, help="write the JSON record here")
+    parser.add_argument("--plot", nargs="+", type=Path, default=[], metavar="PNG",
+                        help="draw TTFT and throughput, off and on, into these files")
     args = serving.parse_with_quick(parser, argv, QUICK)
 
     from orca_ext.async_engine import AsyncEngine
@@ -239,6 +285,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.json:
         serving.write_json(args.json, {"benchmark": "prefix", "args": vars(args),
                                        "environment": serving.environment(), "points": points})
+    if args.plot:
+        env = serving.environment()
+        plot(points, f"Prefix caching: {args.model}, policy {'/'.join(args.policy)}, "
+             f"{env['threads']} threads, {env['time'][:10]}", args.plot)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 import serving  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -189,15 +190,9 @@ def ratio_table(points: Sequence[dict[str, Any]], policies: Sequence[str],
 
 def plot(points: Sequence[dict[str, Any]], policies: Sequence[str], limit: float, title: str,
          paths: Sequence[Path]) -> None:
-    try:
-        import matplotlib
-    except ImportError:  # the tables and the JSON are the results; the plot is optional
-        print(f"no plot: matplotlib is not installed (pip install matplotlib, then run again "
-              f"for {', '.join(map(str, paths))})")
+    plt = common.pyplot(paths)
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, ax = plt.subplots(figsize=(6, 4))
     top = 0.0
     for policy in policies:
@@ -218,12 +213,7 @@ def plot(points: Sequence[dict[str, Any]], policies: Sequence[str], limit: float
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=90)
-        print(f"wrote {path}")
-    plt.close(fig)
+    common.save_figure(fig, paths)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

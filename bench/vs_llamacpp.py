@@ -5,6 +5,7 @@
         [--sections one_stream offline] [--llamacpp-files stored q8_0 f32] [--extra-bufts]
         [--prompt-tokens 512] [--decode-tokens 128] [--repeats 3]
         [--num-requests 32] [--ours-batch-sizes 32] [--llamacpp-batch-sizes 16] [--json FILE]
+        [--plot PNG ...]
 
 Engines:
 - ours on the file's stored formats (quantized linears and head) with float32 activations (the
@@ -28,6 +29,7 @@ Sections:
   (``llama_memory_seq_rm``) and its sequence id given to the next request. Reported: seconds,
   output tok/s, each engine's share of greedy outputs equal to llama.cpp's on the stored file,
   and ours' best over llama.cpp's best.
+``--plot`` draws each section's tokens/s per engine into PNG files (matplotlib).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 import serving  # noqa: E402
 
 from orca_ext import LLM, SamplingParams  # noqa: E402
@@ -267,6 +270,35 @@ def agreement(ours: Sequence[list[int]], theirs: Sequence[list[int]]) -> str:
     return f"{same:.0%} ({np.mean(prefix):.0%})"
 
 
+def plot(record: dict, title: str, paths: Sequence[Path]) -> None:
+    """Horizontal bars of tokens/s per engine: one stream's prefill and decode, offline output
+    (the sections the record has); ours blue, llama.cpp orange."""
+    plt = common.pyplot(paths)
+    if plt is None:
+        return
+    panels = []
+    if "one_stream" in record:
+        rows = record["one_stream"]
+        panels += [("one stream: prefill tok/s", {n: r[0] for n, r in rows.items()}),
+                   ("one stream: decode tok/s", {n: r[1] for n, r in rows.items()})]
+    if "offline" in record:
+        panels.append(("offline: output tok/s", {n: r["output_tokens_per_s"]
+                                                 for n, r in record["offline"].items()}))
+    height = max(len(values) for _, values in panels) * 0.35 + 1.0
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, height * len(panels)), squeeze=False)
+    for ax, (name, values) in zip(axes[:, 0], panels):
+        names = list(values)[::-1]  # the first engine on top
+        colors = ["tab:orange" if n.startswith("llama.cpp") else "tab:blue" for n in names]
+        bars = ax.barh(names, [values[n] for n in names], color=colors)
+        ax.bar_label(bars, fmt="%.0f", fontsize=8, padding=2)
+        ax.set_title(name, fontsize=9, loc="left")
+        ax.tick_params(axis="y", labelsize=8)
+        ax.margins(x=0.12)
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    common.save_figure(fig, paths)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -293,6 +325,8 @@ def main() -> int:
                         help="offline: tokens per llama.cpp compute pass (its server's default)")
     serving.add_workload_args(parser)
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--plot", nargs="+", type=Path, default=[], metavar="PNG",
+                        help="draw tokens/s per engine into these files")
     args = parser.parse_args()
     for name in ("ours_batch_sizes", "llamacpp_batch_sizes"):
         if min(getattr(args, name)) < 1:
@@ -388,6 +422,9 @@ def main() -> int:
                              for n, (s, _) in runs.items()}
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2))
+    if args.plot:
+        plot(record, f"{Path(path).name}: ours against llama.cpp; {cpu}, {args.threads} threads, "
+             f"{time.strftime('%Y-%m-%d')}", args.plot)
     return 0
 
 

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from .activity import Activity, ActivitySample
 from .batch import RunnerOutput, SchedulerOutput, TokenLogprobs
 from .detokenizer import Detokenizer, Tokenizer
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -57,6 +58,8 @@ class _InlineExecutor:
 class EngineStats(SchedulerStats):
     num_requests: int = 0  # unfinished user requests (a request with n > 1 counts once)
     num_generated_tokens: int = 0  # since start
+    num_iterations: int = 0  # batches run since start
+    iteration_seconds: float = 0.0  # their summed time, from each one's step start to its outputs
 
 
 @dataclass(eq=False)
@@ -117,6 +120,7 @@ class Engine:
         self._held: list[_Group] = []  # finished, returned when the batch drains (holds_outputs)
         self._next_id = itertools.count()
         self._lock = threading.Lock()
+        self.activity = Activity()  # the dashboard's record; read it with activity_sample
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
@@ -150,9 +154,12 @@ class Engine:
             if request_id in self._groups:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
             self._groups[request_id] = group
-            for seq in group.sequences:
+            for i, seq in enumerate(group.sequences):
                 self._sequences[seq.request.request_id] = seq
                 self.scheduler.add_request(seq.request)
+                self.activity.arrived(seq.request.request_id,
+                                      request_id if params.n == 1 else f"{request_id}/{i}",
+                                      len(prompt_ids), metrics.arrival_time)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV; return its final output (None if it is not known)."""
@@ -162,10 +169,11 @@ class Engine:
                 return None
             if group in self._held:
                 self._held.remove(group)
+            group.metrics.finish_time = time.time()
             for seq in group.sequences:
                 self.scheduler.abort(seq.request.request_id)
                 del self._sequences[seq.request.request_id]
-            group.metrics.finish_time = time.time()
+                self.activity.ended(seq.request, group.metrics.finish_time)
             return self._output(group)
 
     def shutdown(self) -> None:
@@ -180,10 +188,12 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Launch batches until ``num_batches_in_flight`` are out, wait for the oldest, and
         return the outputs of the requests it advanced (finished ones with their KV freed)."""
+        started = time.time()
         with self._lock:
             batches = []
             while (batch := self.scheduler.schedule()).requests:
                 batches.append(batch)
+                self.activity.launched(batch, started)
         for batch in batches:
             self._executor.submit(batch)
         if not self.scheduler.num_batches_in_flight:
@@ -195,9 +205,23 @@ class Engine:
 
     def stats(self) -> EngineStats:
         with self._lock:
-            return EngineStats(**dataclasses.asdict(self.scheduler.stats()),
-                               num_requests=len(self._groups),
-                               num_generated_tokens=self.num_generated_tokens)
+            return self._stats()
+
+    def activity_sample(self, after_iteration: int = -1, after_event: int = -1
+                        ) -> tuple[ActivitySample, EngineStats]:
+        """The iterations and request events recorded after the given numbers (-1: all kept),
+        the unfinished sequences, and the stats, in one short hold of the lock."""
+        with self._lock:
+            sample = self.activity.sample(after_iteration, after_event, self.scheduler.waiting,
+                                          self.scheduler.running)
+            return sample, self._stats()
+
+    def _stats(self) -> EngineStats:
+        return EngineStats(**dataclasses.asdict(self.scheduler.stats()),
+                           num_requests=len(self._groups),
+                           num_generated_tokens=self.num_generated_tokens,
+                           num_iterations=self.activity.num_iterations,
+                           iteration_seconds=self.activity.iteration_seconds)
 
     def tokenize(self, prompt: str | list[int], *, add_special_tokens: bool = True,
                  param: str = "prompt") -> tuple[str | None, list[int]]:
@@ -260,7 +284,9 @@ class Engine:
                     outputs.append(self._end(group, now))
             elif group.stream and not holds:
                 outputs.append(self._output(group))
-        return outputs + self._release_held(now)
+        outputs += self._release_held(now)
+        self.activity.returned(result.batch_id, time.time())  # the whole step, outputs built
+        return outputs
 
     def _release_held(self, now: float) -> list[RequestOutput]:
         """The held finished requests, once the batch they ran in has drained."""
@@ -274,6 +300,7 @@ class Engine:
         del self._groups[group.request_id]
         for seq in group.sequences:
             del self._sequences[seq.request.request_id]
+            self.activity.ended(seq.request, now)
         return self._output(group)
 
     def _append(self, seq: _Sequence, token_id: int, logprobs: TokenLogprobs | None) -> None:

@@ -73,6 +73,7 @@ class SchedulerStats:
     # prompts, and outputs when recomputed after a preemption), and of those, tokens reused.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_evictable_blocks: int = 0  # cached blocks no request holds (free, their KV kept)
 
     @property
     def kv_usage(self) -> float:
@@ -220,10 +221,12 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         alloc = self.allocator
-        cached = alloc.num_cached_blocks if self.config.enable_prefix_caching else 0
+        caching = self.config.enable_prefix_caching
         return SchedulerStats(len(self.waiting), len(self.running), len(self._batches),
                               alloc.num_used_blocks, alloc.num_blocks, self.num_preemptions,
-                              cached, self.prefix_cache_queries, self.prefix_cache_hits)
+                              alloc.num_cached_blocks if caching else 0,
+                              self.prefix_cache_queries, self.prefix_cache_hits,
+                              alloc.num_evictable_blocks if caching else 0)
 
     def _select(self) -> Picked:
         raise NotImplementedError

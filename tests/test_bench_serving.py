@@ -110,5 +110,5 @@ def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, capsys, tmp_pat
                "norm_latency": {"p50": 0.01}}]
     serving_sweep.plot(points, ["orca"], 0.02, "title", [tmp_path / "sweep.png"])
     (line,) = capsys.readouterr().out.splitlines()
-    assert line.startswith("no plot: matplotlib is not installed (pip install matplotlib")
+    assert line.startswith("no plot: matplotlib is not installed (pip install 'orca_ext[bench]'")
     assert str(tmp_path / "sweep.png") in line and not (tmp_path / "sweep.png").exists()

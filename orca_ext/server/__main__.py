@@ -230,7 +230,7 @@ async def _serve(args: argparse.Namespace, core: Any, http_sock: socket.socket,
     host, port = http_sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     lines = [*banner, f"HTTP listening on {scheme}://{shown}:{port} (OpenAI API under /v1; "
-             f"/health, /metrics)"]
+             f"/health, /metrics; chat at /, engine dashboard at /dashboard)"]
     if args.grpc_port is not None:
         grpc_server, grpc_port = await start_grpc_server(
             core, args.host, args.grpc_port, ssl_certfile=args.ssl_certfile,

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI): ``create_app(engine, ...)``.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics, and their OpenAPI document at GET /openapi.json. The POST bodies are declared as
+GET /metrics, and their OpenAPI document at GET /openapi.json; and pages for people (``web``):
+the chat at GET /, the live engine dashboard at GET /dashboard. The POST bodies are declared as
 the request models of ``protocol``, from which FastAPI documents them, but read and parsed here
 (``_BodyRoute``, not by FastAPI) so that every failure, malformed JSON included, gets an
 OpenAI-style error body with the right status. A client that disconnects -- while its request
@@ -28,6 +29,7 @@ from .protocol import (
     chat_response, completion_logprobs, completion_response, finish_fields, now, parse_body,
     usage_of,
 )
+from .web import add_web_routes
 
 T = TypeVar("T")
 
@@ -144,6 +146,7 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
                                  responses=_documented(response, *_GENERATION_ERRORS,
                                                        streams=True),
                                  route_class_override=_BodyRoute)
+    add_web_routes(app, core)
     app.add_middleware(_CountRequests, core=core)
     app.openapi = lambda: _openapi_document(app)  # type: ignore[method-assign]
     return app

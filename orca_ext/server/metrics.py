@@ -60,7 +60,12 @@ class _EngineCollector:
                 ("orca_prefix_cache_queries", "Prompt tokens of admitted requests looked up "
                  "in the prefix cache since start", stats.prefix_cache_queries),
                 ("orca_prefix_cache_hits", "Of those, tokens whose KV the cache supplied",
-                 stats.prefix_cache_hits)):
+                 stats.prefix_cache_hits),
+                ("orca_engine_iterations", "Iterations (batches) run since start",
+                 stats.num_iterations),
+                ("orca_engine_iteration_seconds", "Their summed time, each from the start of "
+                 "the engine step that launched it to its outputs",
+                 stats.iteration_seconds)):
             counter = CounterMetricFamily(name, doc)
             counter.add_metric([], float(value))
             yield counter
