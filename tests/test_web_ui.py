@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
-from server_helpers import ServerProcess
+from server_helpers import PLAIN_CHAT_TEMPLATE, ServerProcess
 
 from orca_ext.model.builtin import DEFAULT_MODEL
 
@@ -335,7 +335,8 @@ def test_pages_are_served_from_the_package(server: ServerProcess):
 
 
 def test_api_key_is_asked_once(browser: Browser):
-    keyed = ServerProcess("--api-key", KEY).start()  # orca-tiny: any reply will do
+    # orca-tiny (any reply will do) with a plain template, as it has none of its own.
+    keyed = ServerProcess("--api-key", KEY, "--chat-template", PLAIN_CHAT_TEMPLATE).start()
     # The refused first tries are logged by the browser as failed loads.
     pages = Pages(browser, keyed.base_url, allowed=(r"status of 401",))
     try:
