@@ -129,8 +129,8 @@ def test_bfloat16_model_logits(num_rows):
     with torch.inference_mode():
         logits = model.compute_logits(hidden, indices)
     rows = hidden[indices]
-    normed = normed_rows(rows, *model.ln_f.fused_args())
-    torch.testing.assert_close(normed.double(), model.ln_f(rows).double(), atol=3e-2, rtol=3e-2)
+    normed = normed_rows(rows, *model.norm.fused_args())
+    torch.testing.assert_close(normed.double(), model.norm(rows).double(), atol=3e-2, rtol=3e-2)
     assert_float32_accumulation(logits, normed.double() @ model.lm_head.weight.double().t(),
                                 torch.bfloat16)
 
