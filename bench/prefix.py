@@ -233,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     serving.add_engine_args(parser)
     parser.set_defaults(max_batch_size=64)
     parser.add_argument("--json", default=None, help="write the JSON record here")
-    parser.add_argument("--plot", nargs="+", type=Path, default=[], metavar="PNG",
+    parser.add_argument("--plot", nargs="+", default=[], metavar="PNG",
                         help="draw TTFT and throughput, off and on, into these files")
     args = serving.parse_with_quick(parser, argv, QUICK)
 
@@ -288,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.plot:
         env = serving.environment()
         plot(points, f"Prefix caching: {args.model}, policy {'/'.join(args.policy)}, "
-             f"{env['threads']} threads, {env['time'][:10]}", args.plot)
+             f"{env['threads']} threads, {env['time'][:10]}", [Path(p) for p in args.plot])
 
 
 if __name__ == "__main__":

@@ -325,7 +325,7 @@ def main() -> int:
                         help="offline: tokens per llama.cpp compute pass (its server's default)")
     serving.add_workload_args(parser)
     parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--plot", nargs="+", type=Path, default=[], metavar="PNG",
+    parser.add_argument("--plot", nargs="+", default=[], metavar="PNG",
                         help="draw tokens/s per engine into these files")
     args = parser.parse_args()
     for name in ("ours_batch_sizes", "llamacpp_batch_sizes"):
@@ -424,7 +424,7 @@ def main() -> int:
         Path(args.json).write_text(json.dumps(record, indent=2))
     if args.plot:
         plot(record, f"{Path(path).name}: ours against llama.cpp; {cpu}, {args.threads} threads, "
-             f"{time.strftime('%Y-%m-%d')}", args.plot)
+             f"{time.strftime('%Y-%m-%d')}", [Path(p) for p in args.plot])
     return 0
 
 
