@@ -132,13 +132,14 @@ RECORD_STREAMING = """() => {
 def test_chat_streams_the_answer_and_keeps_conversations(pages: Pages):
     page = pages.open("/")
     expect(page.locator("#model")).to_contain_text(DEFAULT_MODEL)
-    settings(page, temperature="0", max_tokens="64")
+    settings(page, temperature="0", max_tokens="64", top_p="0.9", seed="7")
     page.evaluate(RECORD_STREAMING)
     with page.expect_request("**/v1/chat/completions") as sent:
         ask(page, QUESTION)
     body = sent.value.post_data_json
     assert body["messages"] == [{"role": "user", "content": QUESTION}]
-    assert (body["temperature"], body["max_tokens"], body["stream"]) == (0, 64, True)
+    assert (body["temperature"], body["top_p"], body["seed"], body["max_tokens"]) == (0, 0.9, 7, 64)
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["model"] == DEFAULT_MODEL
     expect(page.locator("#stop")).to_be_visible()
     wait_done(page)
@@ -286,10 +287,19 @@ def _sse_reply(text: str, piece: int = 7) -> str:
 
 def test_markdown_is_rendered_and_model_output_cannot_inject_html(pages: Pages):
     page = pages.open("/")
-    page.route("**/v1/chat/completions", lambda route: route.fulfill(
-        status=200, content_type="text/event-stream", body=_sse_reply(MARKDOWN_REPLY)))
+    sent = []
+
+    def reply(route) -> None:
+        sent.append(route.request.post_data_json)
+        route.fulfill(status=200, content_type="text/event-stream",
+                      body=_sse_reply(MARKDOWN_REPLY))
+
+    page.route("**/v1/chat/completions", reply)
+    settings(page, system_prompt="Answer in Markdown.")
     ask(page, "Show me some Markdown")
     wait_done(page)
+    assert sent[0]["messages"] == [{"role": "system", "content": "Answer in Markdown."},
+                                   {"role": "user", "content": "Show me some Markdown"}]
     body = last_reply(page).locator(".body")
     expect(body.locator("h2")).to_have_text("Steps")
     expect(body.locator("ol > li")).to_have_count(2)
