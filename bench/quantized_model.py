@@ -3,12 +3,15 @@ memory, the share of equal greedy chat answers, and one-stream decode speed (our
 float32 and bfloat16).
 
     python bench/quantized_model.py [--model smollm2-135m-instruct] [--max-tokens 64]
-        [--decode-tokens 128]
+        [--decode-tokens 128] [--batch-sizes 1 8]
+
+``ORCA_QUANT_ISA`` forces the quantized kernels' ISA path (portable, avx2, avx512, avx512_vnni,
+amx_int8), as in the tests.
 
 Memory: the bytes of the model's parameters and buffers, and the process's RSS growth over the
 load (which also holds what the loader parsed and the allocator kept). Greedy: 32 chat
-questions through the file's chat template, ``--max-tokens`` each, batched as the engine
-batches them. Decode: one request of a short prompt, ``--decode-tokens`` tokens with EOS off,
+questions through the file's chat template, ``--max-tokens`` each, the stored formats at each
+``--batch-sizes`` (1: one request at a time, the 1-2 token kernels) against the float32 weights. Decode: one request of a short prompt, ``--decode-tokens`` tokens with EOS off,
 after one warm-up request.
 """
 from __future__ import annotations
@@ -73,6 +76,7 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     args = parser.parse_args()
     print(f"{args.model}, {torch.get_num_threads()} threads", flush=True)
     gc.collect()
@@ -88,19 +92,22 @@ def main() -> int:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
     answers, rates = {}, {}
-    for name, loaded in (("stored", native), ("float32", dequantized)):
-        llm = LLM(loaded, max_batch_size=8)
-        answers[name] = [list(c.outputs[0].token_ids)
-                         for c in llm.chat(chats, params, use_tqdm=False)]
-        rates[name] = decode_rate(llm, args.decode_tokens)
+    runs = [("stored", native, b) for b in args.batch_sizes] + [("float32", dequantized, 8)]
+    for name, loaded, batch_size in runs:
+        llm = LLM(loaded, max_batch_size=batch_size)
+        answers[name, batch_size] = [list(c.outputs[0].token_ids)
+                                     for c in llm.chat(chats, params, use_tqdm=False)]
+        if name not in rates:
+            rates[name] = decode_rate(llm, args.decode_tokens)
         del llm
     del native, dequantized
     gc.collect()
     rates["bfloat16"] = decode_rate(LLM(load_model(args.model, "bfloat16",
                                                    quantization="none")), args.decode_tokens)
-    equal = sum(a == b for a, b in zip(answers["stored"], answers["float32"]))
-    print(f"greedy answers equal, stored vs dequantized float32: {equal} / {len(QUESTIONS)} "
-          f"({equal / len(QUESTIONS):.0%}), {args.max_tokens} tokens at most")
+    for batch_size in args.batch_sizes:
+        equal = sum(a == b for a, b in zip(answers["stored", batch_size], answers["float32", 8]))
+        print(f"greedy answers equal, stored (batch {batch_size}) vs dequantized float32: "
+              f"{equal} / {len(QUESTIONS)}, {args.max_tokens} tokens at most")
     for name, rate in rates.items():
         print(f"one-stream decode, {name}: {rate:.1f} tok/s")
     print(f"stored / bfloat16: {rates['stored'] / rates['bfloat16']:.2f}x")

@@ -130,13 +130,13 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, format: str, in_fea
 
     The kernels' ISA is the best this CPU runs (``orca_ext._C.quant_isas()`` lists them); the
     environment variable ``ORCA_QUANT_ISA=portable|avx2|avx512|avx512_vnni|amx_int8`` forces
-    one. ``avx512_vnni`` and ``amx_int8`` round the activations of up to 2 tokens to int8 per
-    block of 32, as llama.cpp does (an error of up to ``max |x| / 254`` of the block per
-    activation); the other paths use them as given, and so do they with
-    ``int8_activations=False`` (the models' output heads: the rounding flips near-tied tokens).
-    From 3 tokens ``amx_int8`` (the default where the CPU has AMX) multiplies on AMX tiles the
-    activations split into two int8 parts per block, within ``max |x| / 64516`` of the block
-    (finer than bfloat16), whatever ``int8_activations`` says.
+    one. ``avx512_vnni`` and ``amx_int8`` split the activations of up to 2 tokens into two int8
+    parts per block of 32 (llama.cpp's one int8 rounding plus its remainder: within
+    ``max |x| / 65024`` of the block, finer than bfloat16); the other paths use them as given,
+    and so do they with ``int8_activations=False`` (the models' output heads, whose near-tied
+    logits any rounding may flip). From 3 tokens ``amx_int8`` (the default where the CPU has
+    AMX) multiplies on AMX tiles the activations split the same way (within
+    ``max |x| / 64516``), whatever ``int8_activations`` says.
     """
     return torch.ops.orca.quantized_linear(x, qweight, format, in_features, bias, activation,
                                            residual, norm, norm_weight, norm_bias, norm_eps,

@@ -137,7 +137,7 @@ void linear_share(const StackShape& s, Activation act, const LinearStep<scalar_t
   const auto& bias = step.linear.bias;
   const scalar_t* b = bias ? bias->template data_ptr<scalar_t>() : nullptr;
   if (step.linear.format) {
-    // As quantized_linear: the rows as float32, rounded to int8 blocks for the int8 kernels.
+    // As quantized_linear: the rows as float32, split into int8 parts for the int8 kernels.
     for (int64_t i = 0; i < T * K; ++i) floats[i] = static_cast<float>(step.rows[i]);
     const Int8Path path = int8_path(s.isa, T, true);
     const cpu::quant::Format format = *step.linear.format;

@@ -18,11 +18,11 @@ namespace orca {
 // costs more than the integer dot products save (bench/quantized_linear.py).
 constexpr int64_t kInt8MaxT = 2;
 
-// How a call's activations reach the dot kernels: as float32; rounded to int8 blocks for the
-// VNNI kernels (kAvx512Vnni and kAmxInt8, up to kInt8MaxT tokens, where the call allows int8
-// rounding); or split into two int8 parts per block, in the tiles' layout, for kAmxInt8's tile
-// kernels (more tokens; an error of at most max |x| / 64516 of each block, finer than bfloat16,
-// so taken whether or not the call allows int8 rounding).
+// How a call's activations reach the dot kernels: as float32; split into two int8 parts per
+// block for the VNNI kernels (kAvx512Vnni and kAmxInt8, up to kInt8MaxT tokens, where the call
+// allows int8 rounding; within max |x| / 65024 of each block); or split so in the tiles' layout
+// for kAmxInt8's tile kernels (more tokens; within max |x| / 64516 of each block, finer than
+// bfloat16, so taken whether or not the call allows int8 rounding).
 enum class Int8Path { kNone, kVnni, kAmx };
 
 // 'q8_0', 'q4_0' or 'q4_1'; a RuntimeError naming `what` otherwise.

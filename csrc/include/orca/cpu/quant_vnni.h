@@ -1,9 +1,11 @@
-// The quantized linear's int8-activation path for a few tokens on AVX-512 VNNI CPUs, as
-// llama.cpp computes its q4_0 / q4_1 / q8_0 dot products: each 32-value block of a token is
-// rounded to int8 with its own scale (dx = max |x| / 127, q = nearest-even(x / dx)), and
-// vpdpbusd multiplies 64 weight bytes (two blocks) by 64 activation bytes into 16 int32 lanes
-// exactly; only then are the lanes scaled to float. The activations' rounding, up to dx / 2 per
-// element, is this path's one error beyond float32 accumulation (the float kernels have none).
+// The quantized linear's int8-activation path for a few tokens on AVX-512 VNNI CPUs: each
+// 32-value block of a token is split into two int8 parts, hi = nearest-even(x / dx) with
+// dx = max |x| / 127 (llama.cpp's q8_0 rounding of the activations), then the remainder's
+// lo = nearest-even((x - hi dx) / (dx / 256)), so x = (256 hi + lo) dx / 256 + e with
+// |e| <= dx / 512: about 16 bits of each block, finer than bfloat16 (one int8 part alone flips
+// greedy tokens of a one-request decode). vpdpbusd multiplies 64 weight bytes (two blocks) by 64
+// bytes of each part into 16 int32 lanes exactly, and 256 dot(hi) + dot(lo) stays exact in
+// int32; only then are the lanes scaled to float.
 #pragma once
 
 #include <immintrin.h>
@@ -24,11 +26,14 @@ namespace orca::cpu::quant::vnni {
 // weight bytes are: q8_0 [block 0: 32 | block 1: 32]; q4_0 / q4_1 [block 0 values 0-15 | block
 // 1 values 0-15 | block 0 values 16-31 | block 1 values 16-31] (the low, then the high nibbles).
 // Lane l of the dot product covers bytes 4l..4l+3.
+// q holds hi and q_lo lo; a lane's value is 256 hi + lo in units of dx / 256.
 struct BlockPair {
   int8_t q[64];
-  float dx[16];     // the scale of lane l's block
-  int32_t off[16];  // the weights' offset times lane l's sum of q (q8_0: 128, q4_0: 8, q4_1: 0)
-  float sum[16];    // q4_1: dx times lane l's sum of q, for the blocks' m term
+  int8_t q_lo[64];
+  float unit[16];   // dx / 256 of lane l's block
+  int32_t off[16];  // the weights' offset times lane l's sum of 256 q + q_lo (q8_0: 128,
+                    // q4_0: 8, q4_1: 0)
+  float sum[16];    // q4_1: unit times lane l's sum of 256 q + q_lo, for the blocks' m term
 };
 
 // The block of lane l: q8_0 lanes 0-7 are block 0, q4 lanes 0-3 and 8-11.
@@ -42,15 +47,20 @@ inline void quantize_activations(Format f, const float* x, int64_t T, int64_t K,
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t p = 0; p < pairs; ++p) {
       float d[2] = {0.f, 0.f};
-      int8_t q[2][kBlockSize] = {};
+      int8_t q[2][2][kBlockSize] = {};  // [hi or lo][block][value]
       for (int s = 0; s < 2 && 2 * p + s < blocks; ++s) {
         const float* xb = x + t * K + (2 * p + s) * kBlockSize;
         float amax = 0.f;
         for (int j = 0; j < kBlockSize; ++j) amax = std::max(amax, std::fabs(xb[j]));
         d[s] = amax / 127.f;
         const float inverse = d[s] > 0.f ? 1.f / d[s] : 0.f;
+        const float inverse_lo = 256.f * inverse;
         for (int j = 0; j < kBlockSize; ++j) {
-          q[s][j] = static_cast<int8_t>(std::nearbyint(xb[j] * inverse));
+          const float hi = std::nearbyint(xb[j] * inverse);
+          // |x - hi dx| <= dx / 2 but for float rounding: lo clamped to int8.
+          const float lo = std::nearbyint(std::fma(-hi, d[s], xb[j]) * inverse_lo);
+          q[0][s][j] = static_cast<int8_t>(hi);
+          q[1][s][j] = static_cast<int8_t>(std::clamp(lo, -127.f, 127.f));
         }
       }
       // Where each 16 bytes of BlockPair::q come from: (block, first value).
@@ -59,13 +69,17 @@ inline void quantize_activations(Format f, const float* x, int64_t T, int64_t K,
       const auto& groups = kGroups[f == Format::kQ8_0 ? 0 : 1];
       BlockPair& o = out[t * pairs + p];
       for (int g = 0; g < 4; ++g) {
-        for (int j = 0; j < 16; ++j) o.q[16 * g + j] = q[groups[g][0]][groups[g][1] + j];
+        for (int j = 0; j < 16; ++j) {
+          o.q[16 * g + j] = q[0][groups[g][0]][groups[g][1] + j];
+          o.q_lo[16 * g + j] = q[1][groups[g][0]][groups[g][1] + j];
+        }
       }
       for (int l = 0; l < 16; ++l) {
-        const int32_t sum = o.q[4 * l] + o.q[4 * l + 1] + o.q[4 * l + 2] + o.q[4 * l + 3];
-        o.dx[l] = d[lane_block(f, l)];
+        int32_t sum = 0;
+        for (int i = 4 * l; i < 4 * l + 4; ++i) sum += 256 * o.q[i] + o.q_lo[i];
+        o.unit[l] = d[lane_block(f, l)] / 256.f;
         o.off[l] = offset * sum;
-        o.sum[l] = o.dx[l] * static_cast<float>(sum);
+        o.sum[l] = o.unit[l] * static_cast<float>(sum);
       }
     }
   }
@@ -136,11 +150,13 @@ inline void dot_row_group(const BlockPair* x, int64_t K, const uint8_t* w, int64
 #pragma GCC unroll 8
       for (int t = 0; t < kT; ++t) {
         const BlockPair& xp = x[t * pairs + p];
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes,
-                                          _mm512_loadu_si512(xp.q));
+        const __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes,
+                                               _mm512_loadu_si512(xp.q));
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(hi, 8), bytes,
+                                          _mm512_loadu_si512(xp.q_lo));
         dot = _mm512_sub_epi32(dot, _mm512_loadu_si512(xp.off));
         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                    _mm512_mul_ps(d, _mm512_loadu_ps(xp.dx)), acc[r][t]);
+                                    _mm512_mul_ps(d, _mm512_loadu_ps(xp.unit)), acc[r][t]);
         if constexpr (F == Format::kQ4_1) {
           acc[r][t] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xp.sum), acc[r][t]);
         }
