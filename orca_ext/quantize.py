@@ -1,31 +1,56 @@
-"""Float weights to and from the GGUF blocks ``ops.quantized_linear`` reads (q8_0, q4_0, q4_1),
-through llama.cpp's own ``gguf.quants``: the bytes a GGUF file of the same weights would hold."""
+"""Float weights to and from the GGUF blocks ``ops.quantized_linear`` reads, through llama.cpp's
+own ``gguf.quants``: the bytes a GGUF file of the same weights would hold.
+
+The formats, by ggml's type names: blocks of 32 weights (q8_0, q4_0, q4_1, q5_0, q5_1) and
+super-blocks of 256 (the K-quants q4_K, q5_K, q6_K). ``quantize_weight`` makes q8_0, q4_0 and
+q4_1 (the formats a model is quantized to at load); ``dequantize_weight`` reads them all."""
 from __future__ import annotations
+
+from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-BLOCK_SIZE = 32
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
-
-
-def _quant_type(format: str):
+if TYPE_CHECKING:
     from gguf import GGMLQuantizationType
 
-    if format not in BLOCK_BYTES:
-        raise ValueError(f"format must be one of {sorted(BLOCK_BYTES)}, got {format!r}")
+# Each format's weights per block and bytes per block, as ggml-common.h lays them out.
+BLOCK_LAYOUTS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22),
+                 "q5_1": (32, 24), "q4_K": (256, 144), "q5_K": (256, 176), "q6_K": (256, 210)}
+# The formats quantize_weight makes.
+QUANTIZE_FORMATS = ("q8_0", "q4_0", "q4_1")
+
+
+def block_weights(format: str) -> int:
+    """The weights per block of ``format``: a row's length must be a multiple of it."""
+    return BLOCK_LAYOUTS[format][0]
+
+
+def row_bytes(format: str, in_features: int) -> int:
+    """The bytes of one row of ``in_features`` weights in ``format``'s blocks."""
+    weights, nbytes = BLOCK_LAYOUTS[format]
+    return in_features // weights * nbytes
+
+
+def _quant_type(format: str, formats: Collection[str]) -> GGMLQuantizationType:
+    from gguf import GGMLQuantizationType
+
+    if format not in formats:
+        raise ValueError(f"format must be one of {list(formats)}, got {format!r}")
     return GGMLQuantizationType[format.upper()]
 
 
 def quantize_weight(weight: torch.Tensor, format: str) -> torch.Tensor:
     """uint8 ``[N, K / 32 * block_bytes]``: each row of the float ``weight [N, K]`` (K a
-    multiple of 32) as ``format``'s blocks, rounded as llama.cpp's reference quantizer does."""
+    multiple of 32) as ``format``'s blocks (one of QUANTIZE_FORMATS), rounded as llama.cpp's
+    reference quantizer does."""
     from gguf import quants
 
-    qtype = _quant_type(format)
-    if weight.dim() != 2 or weight.shape[1] % BLOCK_SIZE != 0:
-        raise ValueError(f"weight must be [N, K] with K a multiple of {BLOCK_SIZE}, got shape "
-                         f"{tuple(weight.shape)}")
+    qtype = _quant_type(format, QUANTIZE_FORMATS)
+    if weight.dim() != 2 or weight.shape[1] % block_weights(format) != 0:
+        raise ValueError(f"weight must be [N, K] with K a multiple of {block_weights(format)}, "
+                         f"got shape {tuple(weight.shape)}")
     data = weight.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
     return torch.from_numpy(np.ascontiguousarray(quants.quantize(data, qtype)))
 
@@ -35,10 +60,11 @@ def dequantize_weight(qweight: torch.Tensor, format: str, in_features: int) -> t
     or a GGUF file) hold, through ``gguf.quants.dequantize``."""
     from gguf import quants
 
-    qtype = _quant_type(format)
-    row_bytes = in_features // BLOCK_SIZE * BLOCK_BYTES[format]
-    if qweight.dim() != 2 or in_features % BLOCK_SIZE or qweight.shape[1] != row_bytes:
-        raise ValueError(f"qweight must be uint8 [N, {row_bytes}] for in_features = "
+    qtype = _quant_type(format, BLOCK_LAYOUTS)
+    expected = row_bytes(format, in_features)
+    if (qweight.dim() != 2 or in_features % block_weights(format)
+            or qweight.shape[1] != expected):
+        raise ValueError(f"qweight must be uint8 [N, {expected}] for in_features = "
                          f"{in_features} in {format}, got shape {tuple(qweight.shape)}")
     data = qweight.detach().to(device="cpu", dtype=torch.uint8).contiguous().numpy()
     return torch.from_numpy(np.ascontiguousarray(quants.dequantize(data, qtype)))
