@@ -3,7 +3,8 @@ own ``gguf.quants``: the bytes a GGUF file of the same weights would hold.
 
 The formats, by ggml's type names: blocks of 32 weights (q8_0, q4_0, q4_1, q5_0, q5_1) and
 super-blocks of 256 (the K-quants q4_K, q5_K, q6_K). ``quantize_weight`` makes q8_0, q4_0 and
-q4_1 (the formats a model is quantized to at load); ``dequantize_weight`` reads them all."""
+q4_1 (the formats a model is quantized to at load); ``dequantize_weight`` reads them all;
+``as_exact_q8_0`` rewrites q4_0 / q5_0 blocks as the q8_0 blocks of the same weights."""
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -20,6 +21,9 @@ BLOCK_LAYOUTS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (
                  "q5_1": (32, 24), "q4_K": (256, 144), "q5_K": (256, 176), "q6_K": (256, 210)}
 # The formats quantize_weight makes.
 QUANTIZE_FORMATS = ("q8_0", "q4_0", "q4_1")
+# The formats whose blocks are q8_0 blocks in fewer bits (w = (q - offset) d, the same d), by
+# their quants' offset: as_exact_q8_0 rewrites them exactly.
+EXACT_IN_Q8_0 = {"q8_0": 0, "q4_0": 8, "q5_0": 16}
 
 
 def block_weights(format: str) -> int:
@@ -68,3 +72,20 @@ def dequantize_weight(qweight: torch.Tensor, format: str, in_features: int) -> t
                          f"{in_features} in {format}, got shape {tuple(qweight.shape)}")
     data = qweight.detach().to(device="cpu", dtype=torch.uint8).contiguous().numpy()
     return torch.from_numpy(np.ascontiguousarray(quants.dequantize(data, qtype)))
+
+
+def as_exact_q8_0(qweight: torch.Tensor, format: str) -> torch.Tensor:
+    """The q8_0 blocks (uint8 ``[N, K / 32 * 34]``) of the weights that the ``format`` blocks
+    ``qweight`` (q4_0 or q5_0) hold: each block's d kept and its quants minus their
+    offset as int8, so both dequantize to the same float32 values (q * d, exact)."""
+    offset = EXACT_IN_Q8_0[format]
+    blocks = qweight.reshape(qweight.shape[0], -1, BLOCK_LAYOUTS[format][1])
+    d = blocks[..., :2]
+    nibbles = blocks[..., -16:]
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)  # weights 0-15, then 16-31
+    if format == "q5_0":
+        bits = torch.arange(8, dtype=torch.uint8)
+        high = (blocks[..., 2:6, None] >> bits) & 1  # [.., byte, bit]: bit j of the u32 qh
+        q = q | (high.reshape(*q.shape) << 4)
+    quants = (q.to(torch.int16) - offset).to(torch.int8).view(torch.uint8)
+    return torch.cat([d, quants], dim=-1).reshape(qweight.shape[0], -1)

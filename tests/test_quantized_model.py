@@ -197,6 +197,26 @@ def test_stored_formats_load_as_stored(stored_formats_file, stored_formats_model
     assert native.model.lm_head.weight is _embedding(native.model).weight
 
 
+def test_q5_0_and_q4_0_parts_beside_q8_0_load_exactly_as_q8_0(tmp_path, caplog):
+    """A fused qkv of Q5_0 (or Q4_0) q and k beside a Q8_0 v, as llama.cpp's Q4_K_M files store
+    some layers: q8_0 blocks of the very same weights (no conversion note), bit for bit."""
+    types = native_types("llama")
+    types["blk.0.attn_q.weight"] = types["blk.0.attn_k.weight"] = Q.Q5_0
+    types["blk.0.attn_v.weight"] = types["blk.1.attn_k.weight"] = Q.Q8_0
+    types["blk.1.attn_q.weight"] = types["blk.1.attn_v.weight"] = Q.Q4_0
+    path = write_gguf(make_model("llama"), "llama", tmp_path / "mixed.gguf", types)
+    with caplog.at_level(logging.INFO, logger="orca_ext.model.quantized"):
+        native = load_model(str(path))
+    assert not [r for r in caplog.records if "converted" in r.getMessage()]
+    dequantized = load_model(str(path), quantization="none")
+    for layer in range(2):
+        qkv = native.model.layers[layer].attn.qkv
+        assert qkv.format == "q8_0"
+        assert torch.equal(_float_weight(qkv), dequantized.model.layers[layer].attn.qkv.weight)
+    torch.testing.assert_close(forward_logits(native, TOKENS),
+                               forward_logits(dequantized, TOKENS), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 def test_stored_formats_run_as_the_dequantized_model(stored_formats_model, isa):
     """On every ISA (avx512_vnni and amx_int8 run these formats on avx512's float kernels) the

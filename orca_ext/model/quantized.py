@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..quantize import BLOCK_LAYOUTS, QUANTIZE_FORMATS, block_weights, quantize_weight, row_bytes
+from ..quantize import (BLOCK_LAYOUTS, EXACT_IN_Q8_0, QUANTIZE_FORMATS, as_exact_q8_0,
+                        block_weights, quantize_weight, row_bytes)
 from .layers import Embedding, LayerNorm, Layer, Linear, RMSNorm
 from .weights import Checkpoint, HFWeight
 
@@ -104,8 +105,9 @@ class QuantizedEmbedding(Layer):
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """How one parameter is filled: GGUF blocks of ``format``, copied as stored (``native``) or
-    quantized at load from the float weights."""
+    """How one parameter is filled: GGUF blocks of ``format``, copied as stored (``native``;
+    q4_0 / q5_0 parts of a q8_0 weight rewritten exactly by ``as_exact_q8_0``) or quantized at
+    load from the float weights."""
 
     format: str
     native: bool
@@ -131,8 +133,9 @@ def plan_quantization(model: nn.Module, weight_map: dict[str, HFWeight],
     """The parameters (names in ``weight_map``) to hold as GGUF blocks and how to fill them.
     With a format, every linear weight (a tied embedding with it) whose width is a multiple of
     32; with None, a GGUF checkpoint's quantized tensors (``checkpoint.raw``), native where the
-    kernels read the stored type (NATIVE_TYPES; every part of a fused weight in the same one),
-    else converted to q8_0 with one logged note."""
+    kernels read the stored type (NATIVE_TYPES; every part of a fused weight in the same one, or
+    the parts in Q8_0 and types q8_0 holds exactly, as llama.cpp's Q4_K_M files store a Q8_0 v
+    beside a Q5_0 q and k), else converted to q8_0 with one logged note."""
     if quantization == "none" or (quantization is None and not hasattr(checkpoint, "raw")):
         return {}
     matrices, tied = _matrices(model), tied_names(model)
@@ -153,6 +156,8 @@ def plan_quantization(model: nn.Module, weight_map: dict[str, HFWeight],
             continue
         if len(types) == 1 and types <= NATIVE_TYPES.keys():
             plan[name] = QuantizedWeight(NATIVE_TYPES[types.pop()], True)
+        elif "Q8_0" in types and {t.lower() for t in types} <= EXACT_IN_Q8_0.keys():
+            plan[name] = QuantizedWeight("q8_0", True)
         elif width % block_weights(CONVERTED_FORMAT) == 0:
             plan[name] = QuantizedWeight(CONVERTED_FORMAT, False)
             converted.append(f"{name} ({'+'.join(sorted(types))})")
@@ -186,12 +191,19 @@ def quantize_modules(model: nn.Module, plan: dict[str, QuantizedWeight],
 def load_quantized(out: torch.Tensor, checkpoint: Checkpoint, spec: HFWeight,
                    shape: tuple[int, int], how: QuantizedWeight) -> None:
     """Fill ``out``, the uint8 blocks of a weight of float ``shape`` ``[N, K]``: the stored rows
-    (fused parts one after the other), or its float parts quantized."""
+    (fused parts one after the other; a part stored in another format than ``how.format``
+    rewritten by ``as_exact_q8_0``), or its float parts quantized."""
     parts = checkpoint.parts(spec, shape)
     if how.native:
         offset = 0
         for name, (rows, _) in zip(spec.names, parts):
-            checkpoint.copy_raw_blocks(name, out[offset:offset + rows])
+            stored = NATIVE_TYPES[checkpoint.raw(name).tensor_type.name]
+            if stored == how.format:
+                checkpoint.copy_raw_blocks(name, out[offset:offset + rows])
+            else:
+                blocks = torch.empty(rows, row_bytes(stored, shape[1]), dtype=torch.uint8)
+                checkpoint.copy_raw_blocks(name, blocks)
+                out[offset:offset + rows].copy_(as_exact_q8_0(blocks, stored))
             offset += rows
         return
     values = [piece[:].t() if spec.transpose else piece[:] for _, piece in parts]
