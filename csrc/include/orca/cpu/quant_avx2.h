@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 #include "orca/cpu/quant_formats.h"
@@ -40,14 +39,11 @@ template <Format F>
 inline __m256i chunk_quant_bytes(const uint8_t* row, int64_t c) {
   static_assert(!has_int8_kernels(F));
   if constexpr (F == Format::kQ5_0 || F == Format::kQ5_1) {
-    const uint8_t* block = row + c * block_bytes(F);
-    const int64_t qh_at = F == Format::kQ5_1 ? 4 : 2;
-    uint32_t qh;
-    std::memcpy(&qh, block + qh_at, sizeof(qh));
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + qh_at + 4));
+    const Q5Quants fields = q5_quants<F>(row + c * block_bytes(F));
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(fields.nibbles));
     const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs),
                                              _mm256_set1_epi8(15));
-    return _mm256_or_si256(nibbles, bits_to_bytes(qh, 16));
+    return _mm256_or_si256(nibbles, bits_to_bytes(fields.high_bits, 16));
   } else {
     const uint8_t* block = row + c / 8 * block_bytes(F);
     const int s = static_cast<int>(c % 8);

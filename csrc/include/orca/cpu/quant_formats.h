@@ -146,17 +146,29 @@ inline ChunkScale chunk_scale(const uint8_t* row, int64_t c, const HalfToFloat& 
   }
 }
 
+// A q5_0 / q5_1 block's quant fields: bit j of high_bits is bit 4 of weight j; nibbles[j] holds
+// the low 4 bits of weights j (low nibble) and j + 16 (high nibble).
+struct Q5Quants {
+  uint32_t high_bits;
+  const uint8_t* nibbles;
+};
+
+template <Format F>
+inline Q5Quants q5_quants(const uint8_t* block) {
+  static_assert(F == Format::kQ5_0 || F == Format::kQ5_1);
+  const int64_t qh_at = F == Format::kQ5_1 ? 4 : 2;
+  uint32_t high_bits;
+  std::memcpy(&high_bits, block + qh_at, sizeof(high_bits));
+  return {high_bits, block + qh_at + 4};
+}
+
 // Chunk c's 32 unsigned quants (q5: 0-31, q4_K: 0-15, q5_K: 0-31, q6_K: 0-63), one at a time
 // (the vector paths build them 32 at once from the same bytes).
 template <Format F>
 inline void chunk_quants(const uint8_t* row, int64_t c, uint8_t (&q)[kBlockSize]) {
   static_assert(!has_int8_kernels(F));
   if constexpr (F == Format::kQ5_0 || F == Format::kQ5_1) {
-    const uint8_t* block = row + c * block_bytes(F);
-    const int64_t qh_at = F == Format::kQ5_1 ? 4 : 2;
-    uint32_t qh;
-    std::memcpy(&qh, block + qh_at, sizeof(qh));
-    const uint8_t* qs = block + qh_at + 4;
+    const auto [qh, qs] = q5_quants<F>(row + c * block_bytes(F));
     for (int j = 0; j < kBlockSize / 2; ++j) {
       q[j] = static_cast<uint8_t>((qs[j] & 15) | ((qh >> j) & 1) << 4);
       q[j + 16] = static_cast<uint8_t>((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
