@@ -19,9 +19,9 @@
 // - q6_K: ql[128], qh[64], int8 scales[16], fp16 d; 16 scales of 16 weights each, w = (d
 //   scale) (q - 32), q 6 bits: four nibbles of ql and two bits of qh (210 bytes).
 // Every product of a scale and a quant is exact in float32 (at most 24 significant bits: d's 11
-// times q6_K's |scale q| <= 4096 or q4_K's 6-bit sc and 5-bit q), so a float32 dequantization
-// that rounds once after the product (the offset's add) equals gguf.quants.dequantize bit for
-// bit, whichever order the products take.
+// times q6_K's |scale q| <= 4096, or q4_K / q5_K's 6-bit sc times a 4- or 5-bit q), so a float32
+// dequantization that rounds once after the product (the offset's add) equals
+// gguf.quants.dequantize bit for bit, whichever order the products take.
 #pragma once
 
 #include <bit>

@@ -74,18 +74,17 @@ void dot_rows(const float* x, int64_t K, const uint8_t* w, int64_t rows, float* 
 template <Format F, typename out_t>
 void dequantize_rows(const uint8_t* w, int64_t K, int64_t rows, out_t* out) {
   constexpr int kVec = kBlockSize / Vec::kWidth;
-  const int64_t chunks = K / kBlockSize, row_bytes = quant::row_bytes(F, K);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < chunks; ++b) {
-      typename Vec::V wv[kVec];
-      Vec::template dequant<F>(w + r * row_bytes, b, wv);
-      out_t* dst = out + r * K + b * kBlockSize;
-      for (int c = 0; c < kVec; ++c) {
-        if constexpr (std::is_same_v<out_t, float>) {
-          Vec::store(dst + c * Vec::kWidth, wv[c]);
-        } else {
-          Vec::store_bf16(dst + c * Vec::kWidth, wv[c]);
-        }
+  // The rows' blocks lie back to back (K a multiple of the block), so chunk b of them all is
+  // chunk b of one long row.
+  const int64_t chunks = rows * (K / kBlockSize);
+  for (int64_t b = 0; b < chunks; ++b) {
+    typename Vec::V wv[kVec];
+    Vec::template dequant<F>(w, b, wv);
+    for (int c = 0; c < kVec; ++c) {
+      if constexpr (std::is_same_v<out_t, float>) {
+        Vec::store(out + b * kBlockSize + c * Vec::kWidth, wv[c]);
+      } else {
+        Vec::store_bf16(out + b * kBlockSize + c * Vec::kWidth, wv[c]);
       }
     }
   }
