@@ -113,7 +113,8 @@ def _ragged_attention_fake(q, k_cache, v_cache, cu_q_lens, context_lens, block_t
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-QUANT_FORMATS = ("q8_0", "q4_0", "q4_1")
+# The GGUF block formats quantized_linear and quantized_embedding read, by ggml's type names.
+QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K")
 
 
 def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, format: str, in_features: int,
@@ -123,20 +124,23 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, format: str, in_fea
                      norm_bias: torch.Tensor | None = None,
                      norm_eps: float = 1e-5, int8_activations: bool = True) -> torch.Tensor:
     """``packed_linear`` with the weight ``[N, in_features]`` held as GGUF blocks: ``qweight``
-    is uint8 ``[N, in_features / 32 * block_bytes]``, each row the blocks llama.cpp stores for
-    ``format`` (``q8_0``: 34 bytes, ``q4_0``: 18, ``q4_1``: 20 per 32 weights; see
-    ``orca_ext.quantize``). ``x [T, in_features]`` is float32 or bfloat16 and the output is in
-    its dtype; bias, activation, residual and norm as in ``packed_linear`` (CPU only).
+    is uint8 ``[N, in_features / block_weights * block_bytes]``, each row the blocks llama.cpp
+    stores for ``format`` (per 32 weights ``q8_0``: 34 bytes, ``q4_0``: 18, ``q4_1``: 20,
+    ``q5_0``: 22, ``q5_1``: 24; per 256 weights, in_features a multiple of 256, ``q4_K``: 144,
+    ``q5_K``: 176, ``q6_K``: 210; see ``orca_ext.quantize``). ``x [T, in_features]`` is float32
+    or bfloat16 and the output is in its dtype; bias, activation, residual and norm as in
+    ``packed_linear`` (CPU only).
 
     The kernels' ISA is the best this CPU runs (``orca_ext._C.quant_isas()`` lists them); the
     environment variable ``ORCA_QUANT_ISA=portable|avx2|avx512|avx512_vnni|amx_int8`` forces
-    one. ``avx512_vnni`` and ``amx_int8`` split the activations of up to 2 tokens into two int8
-    parts per block of 32 (llama.cpp's one int8 rounding plus its remainder: within
-    ``max |x| / 65024`` of the block, finer than bfloat16); the other paths use them as given,
-    and so do they with ``int8_activations=False`` (the models' output heads, whose near-tied
-    logits any rounding may flip). From 3 tokens ``amx_int8`` (the default where the CPU has
-    AMX) multiplies on AMX tiles the activations split the same way (within
-    ``max |x| / 64516``), whatever ``int8_activations`` says.
+    one. For ``q8_0``, ``q4_0`` and ``q4_1``, ``avx512_vnni`` and ``amx_int8`` split the
+    activations of up to 2 tokens into two int8 parts per block of 32 (llama.cpp's one int8
+    rounding plus its remainder: within ``max |x| / 65024`` of the block, finer than bfloat16);
+    the other paths use them as given, and so do they with ``int8_activations=False`` (the
+    models' output heads, whose near-tied logits any rounding may flip). From 3 tokens
+    ``amx_int8`` (the default where the CPU has AMX) multiplies on AMX tiles the activations
+    split the same way (within ``max |x| / 64516``), whatever ``int8_activations`` says. The
+    other formats run on ``avx512``'s float kernels on those two paths.
     """
     return torch.ops.orca.quantized_linear(x, qweight, format, in_features, bias, activation,
                                            residual, norm, norm_weight, norm_bias, norm_eps,
@@ -154,7 +158,7 @@ def _quantized_linear_fake(x, qweight, format, in_features, bias=None, activatio
 def quantized_embedding(ids: torch.Tensor, qweight: torch.Tensor, format: str,
                         embedding_dim: int) -> torch.Tensor:
     """float32 rows ``[T, embedding_dim]`` of a table held as GGUF blocks ``qweight`` (uint8
-    ``[num_embeddings, embedding_dim / 32 * block_bytes]`` of ``format``, as in
+    ``[num_embeddings, embedding_dim / block_weights * block_bytes]`` of ``format``, as in
     ``quantized_linear``) for the token ids ``ids [T]`` (int64 or int32): only the rows looked up
     are dequantized (CPU only)."""
     return torch.ops.orca.quantized_embedding(ids, qweight, format, embedding_dim)

@@ -1,31 +1,60 @@
-"""Float weights to and from the GGUF blocks ``ops.quantized_linear`` reads (q8_0, q4_0, q4_1),
-through llama.cpp's own ``gguf.quants``: the bytes a GGUF file of the same weights would hold."""
+"""Float weights to and from the GGUF blocks ``ops.quantized_linear`` reads, through llama.cpp's
+own ``gguf.quants``: the bytes a GGUF file of the same weights would hold.
+
+The formats, by ggml's type names: blocks of 32 weights (q8_0, q4_0, q4_1, q5_0, q5_1) and
+super-blocks of 256 (the K-quants q4_K, q5_K, q6_K). ``quantize_weight`` makes q8_0, q4_0 and
+q4_1 (the formats a model is quantized to at load); ``dequantize_weight`` reads them all;
+``as_exact_q8_0`` rewrites q4_0 / q5_0 blocks as the q8_0 blocks of the same weights."""
 from __future__ import annotations
+
+from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-BLOCK_SIZE = 32
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
-
-
-def _quant_type(format: str):
+if TYPE_CHECKING:
     from gguf import GGMLQuantizationType
 
-    if format not in BLOCK_BYTES:
-        raise ValueError(f"format must be one of {sorted(BLOCK_BYTES)}, got {format!r}")
+# Each format's weights per block and bytes per block, as ggml-common.h lays them out.
+BLOCK_LAYOUTS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22),
+                 "q5_1": (32, 24), "q4_K": (256, 144), "q5_K": (256, 176), "q6_K": (256, 210)}
+# The formats quantize_weight makes.
+QUANTIZE_FORMATS = ("q8_0", "q4_0", "q4_1")
+# The formats whose blocks are q8_0 blocks in fewer bits (w = (q - offset) d, the same d), by
+# their quants' offset: as_exact_q8_0 rewrites them exactly.
+EXACT_IN_Q8_0 = {"q8_0": 0, "q4_0": 8, "q5_0": 16}
+
+
+def block_weights(format: str) -> int:
+    """The weights per block of ``format``: a row's length must be a multiple of it."""
+    return BLOCK_LAYOUTS[format][0]
+
+
+def row_bytes(format: str, in_features: int) -> int:
+    """The bytes of one row of ``in_features`` weights in ``format``'s blocks."""
+    weights, nbytes = BLOCK_LAYOUTS[format]
+    return in_features // weights * nbytes
+
+
+def _quant_type(format: str, formats: Collection[str]) -> GGMLQuantizationType:
+    from gguf import GGMLQuantizationType
+
+    if format not in formats:
+        raise ValueError(f"format must be one of {list(formats)}, got {format!r}")
     return GGMLQuantizationType[format.upper()]
 
 
 def quantize_weight(weight: torch.Tensor, format: str) -> torch.Tensor:
     """uint8 ``[N, K / 32 * block_bytes]``: each row of the float ``weight [N, K]`` (K a
-    multiple of 32) as ``format``'s blocks, rounded as llama.cpp's reference quantizer does."""
+    multiple of 32) as ``format``'s blocks (one of QUANTIZE_FORMATS), rounded as llama.cpp's
+    reference quantizer does."""
     from gguf import quants
 
-    qtype = _quant_type(format)
-    if weight.dim() != 2 or weight.shape[1] % BLOCK_SIZE != 0:
-        raise ValueError(f"weight must be [N, K] with K a multiple of {BLOCK_SIZE}, got shape "
-                         f"{tuple(weight.shape)}")
+    qtype = _quant_type(format, QUANTIZE_FORMATS)
+    if weight.dim() != 2 or weight.shape[1] % block_weights(format) != 0:
+        raise ValueError(f"weight must be [N, K] with K a multiple of {block_weights(format)}, "
+                         f"got shape {tuple(weight.shape)}")
     data = weight.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
     return torch.from_numpy(np.ascontiguousarray(quants.quantize(data, qtype)))
 
@@ -35,10 +64,28 @@ def dequantize_weight(qweight: torch.Tensor, format: str, in_features: int) -> t
     or a GGUF file) hold, through ``gguf.quants.dequantize``."""
     from gguf import quants
 
-    qtype = _quant_type(format)
-    row_bytes = in_features // BLOCK_SIZE * BLOCK_BYTES[format]
-    if qweight.dim() != 2 or in_features % BLOCK_SIZE or qweight.shape[1] != row_bytes:
-        raise ValueError(f"qweight must be uint8 [N, {row_bytes}] for in_features = "
+    qtype = _quant_type(format, BLOCK_LAYOUTS)
+    expected = row_bytes(format, in_features)
+    if (qweight.dim() != 2 or in_features % block_weights(format)
+            or qweight.shape[1] != expected):
+        raise ValueError(f"qweight must be uint8 [N, {expected}] for in_features = "
                          f"{in_features} in {format}, got shape {tuple(qweight.shape)}")
     data = qweight.detach().to(device="cpu", dtype=torch.uint8).contiguous().numpy()
     return torch.from_numpy(np.ascontiguousarray(quants.dequantize(data, qtype)))
+
+
+def as_exact_q8_0(qweight: torch.Tensor, format: str) -> torch.Tensor:
+    """The q8_0 blocks (uint8 ``[N, K / 32 * 34]``) of the weights that the ``format`` blocks
+    ``qweight`` (q4_0 or q5_0) hold: each block's d kept and its quants minus their
+    offset as int8, so both dequantize to the same float32 values (q * d, exact)."""
+    offset = EXACT_IN_Q8_0[format]
+    blocks = qweight.reshape(qweight.shape[0], -1, BLOCK_LAYOUTS[format][1])
+    d = blocks[..., :2]
+    nibbles = blocks[..., -16:]
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)  # weights 0-15, then 16-31
+    if format == "q5_0":
+        bits = torch.arange(8, dtype=torch.uint8)
+        high = (blocks[..., 2:6, None] >> bits) & 1  # [.., byte, bit]: bit j of the u32 qh
+        q = q | (high.reshape(*q.shape) << 4)
+    quants = (q.to(torch.int16) - offset).to(torch.int8).view(torch.uint8)
+    return torch.cat([d, quants], dim=-1).reshape(qweight.shape[0], -1)

@@ -13,14 +13,13 @@ from gguf import GGMLQuantizationType as Q
 
 from orca_ext.model.tokenizer import bytes_to_unicode
 
-QK_K = 256
 VOCAB = 300
 # Every type gguf.quants dequantizes; gguf-py quantizes all but the K-quants.
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K,
          Q.Q5_K, Q.Q6_K]
-# K-quant block bytes and the offsets of their float16 super-block scales (d, dmin).
-_K_QUANT_SCALES = {Q.Q2_K: (84, (80, 82)), Q.Q3_K: (110, (108,)), Q.Q4_K: (144, (0, 2)),
-                   Q.Q5_K: (176, (0, 2)), Q.Q6_K: (210, (208,))}
+# The offsets of the float16 scales (d, and dmin or m) in the blocks random_blocks writes.
+_SCALE_OFFSETS = {Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q2_K: (80, 82), Q.Q3_K: (108,),
+                  Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 _COMMON = dict(vocab_size=VOCAB, max_position_embeddings=512, initializer_range=0.1,
                bos_token_id=1, eos_token_id=2)
@@ -117,19 +116,27 @@ def gguf_tensors(model: transformers.PreTrainedModel, arch: str) -> dict[str, np
     return out
 
 
+def random_blocks(kind: Q, rows: int, cols: int, rng: np.random.Generator,
+                  scale: float = 0.01) -> np.ndarray:
+    """uint8 ``[rows, row bytes]``: valid blocks of ``kind`` (Q5_0, Q5_1 or a K-quant) with
+    random quant bytes (q6_K's int8 sub-block scales among them) and float16 scales in
+    ``[scale / 10, 1.1 scale)``."""
+    weights, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    shape = (rows, cols // weights)
+    blocks = rng.integers(0, 256, size=(*shape, block_bytes), dtype=np.uint8)
+    for offset in _SCALE_OFFSETS[kind]:
+        scales = (rng.random(shape) * scale + scale / 10).astype(np.float16)
+        blocks[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(*shape, 2)
+    return blocks.reshape(rows, -1)
+
+
 def encode_tensor(values: np.ndarray, kind: Q, rng: np.random.Generator) -> np.ndarray:
     """``values`` stored as ``kind``: quantized by gguf-py where it can; for the K-quants (which
     it only dequantizes) random blocks with small float16 scales, so the file's own bytes are the
     reference."""
-    if kind not in _K_QUANT_SCALES:
+    if kind not in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K):
         return gguf.quants.quantize(values, kind)
-    block_bytes, scale_offsets = _K_QUANT_SCALES[kind]
-    rows, cols = values.shape
-    blocks = rng.integers(0, 256, size=(rows, cols // QK_K, block_bytes), dtype=np.uint8)
-    for offset in scale_offsets:
-        scales = (rng.random((rows, cols // QK_K)) * 0.01 + 0.001).astype(np.float16)
-        blocks[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(rows, cols // QK_K, 2)
-    return blocks.reshape(rows, -1)
+    return random_blocks(kind, *values.shape, rng)
 
 
 def _padded(tokens: list[str], types: list[int]) -> tuple[list[str], list[int]]:

@@ -1,4 +1,5 @@
-"""ops.quantized_linear on GGUF q8_0 / q4_0 / q4_1 blocks against gguf.quants.dequantize and a
+"""ops.quantized_linear on GGUF blocks (q8_0 / q4_0 / q4_1 quantized by gguf-py; q5_0 / q5_1 and
+the K-quants q4_K / q5_K / q6_K as random valid blocks) against gguf.quants.dequantize and a
 float64 matmul (the epilogue in float64 through reference_ops), on every kernel path this CPU
 runs; orca_ext.quantize against gguf.quants."""
 from __future__ import annotations
@@ -12,10 +13,17 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 import reference_ops as ref
+from gguf_files import random_blocks
 from orca_ext import _C, ops
-from orca_ext.quantize import dequantize_weight, quantize_weight
+from orca_ext.quantize import QUANTIZE_FORMATS, block_weights, dequantize_weight, quantize_weight
 
-FORMATS = ["q8_0", "q4_0", "q4_1"]
+FORMATS = list(QUANTIZE_FORMATS)
+# The formats run as stored from GGUF files, which gguf-py does not quantize (K-quants) or
+# orca_ext.quantize does not make: random valid blocks. No ISA rounds their activations to int8.
+STORED_FORMATS = ["q5_0", "q5_1", "q4_K", "q5_K", "q6_K"]
+# The largest |q * scale| of each stored format per unit of its float16 scales (q6_K: 128 * 32),
+# so that random blocks get weights of order 1 / sqrt(K).
+STORED_RANGE = {"q5_0": 16, "q5_1": 32, "q4_K": 63 * 15, "q5_K": 63 * 31, "q6_K": 128 * 32}
 ISAS = ["portable", "avx2", "avx512", "avx512_vnni", "amx_int8"]
 INT8_MAX_T = 2  # up to this many tokens avx512_vnni splits the activations into int8 parts
 AMX_MAX_T_BF16 = 64  # amx_int8's tiles take any number of float32 tokens, this many bfloat16
@@ -49,10 +57,16 @@ def isa(request, monkeypatch) -> str:
 
 @functools.cache
 def quantized(fmt: str, K: int, N: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random weight [N, K] (a linear layer's scale) as blocks, and their dequantized values."""
-    gen = torch.Generator().manual_seed(K * 1000 + N)
-    w = torch.randn(N, K, generator=gen) / K ** 0.5
-    q = quantize_weight(w, fmt)
+    """A random weight [N, K] (a linear layer's scale) as blocks, and their dequantized values:
+    quantized by gguf-py, or for the stored formats random blocks (float16 scales down to
+    subnormal ones for the K-quants)."""
+    if fmt in STORED_FORMATS:
+        rng = np.random.default_rng(K * 1000 + N)
+        kind = GGMLQuantizationType[fmt.upper()]
+        q = torch.from_numpy(random_blocks(kind, N, K, rng, 1 / (K ** 0.5 * STORED_RANGE[fmt])))
+    else:
+        gen = torch.Generator().manual_seed(K * 1000 + N)
+        q = quantize_weight(torch.randn(N, K, generator=gen) / K ** 0.5, fmt)
     return q, dequantize_weight(q, fmt, K)
 
 
@@ -112,9 +126,34 @@ def test_quantized_linear(isa, fmt, dtype, T, K, N):
     assert_close(ops.quantized_linear(x, q, fmt, K), expected, dtype)
 
 
+# K for the stored formats: one block and 9 (q5_0, q5_1); one super-block and three (K-quants).
+STORED_SHAPES = {32: [(32, 7), (288, 33)], 256: [(256, 7), (768, 33)]}
+
+
+@pytest.mark.parametrize("fmt", STORED_FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 2, 3, 8, 9, 17, 25, 600])
+@pytest.mark.parametrize("shape", [0, 1])
+def test_quantized_linear_stored_formats(isa, fmt, dtype, T, shape):
+    """The dot kernels (1-24 tokens) and the panels, on every ISA: avx512_vnni and amx_int8 run
+    these formats on avx512's float kernels, so no rounding of x beyond its dtype."""
+    K, N = STORED_SHAPES[block_weights(fmt)][shape]
+    q, w = quantized(fmt, K, N)
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(T)).to(dtype)
+    assert_close(ops.quantized_linear(x, q, fmt, K), x.double() @ w.double().t(), dtype)
+
+
+@pytest.mark.parametrize("fmt", STORED_FORMATS)
+def test_stored_formats_dequantize_as_gguf(isa, fmt):
+    """The kernels' float32 weights are gguf's bit for bit (quantized_embedding returns them)."""
+    K = 3 * block_weights(fmt)
+    q, w = quantized(fmt, K, 9)
+    assert torch.equal(ops.quantized_embedding(torch.arange(9), q, fmt, K), w)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("isa,T,steps", [("avx512_vnni", 1, 512), ("avx512_vnni", 2, 512),
-                                         ("amx_int8", 1, 2), ("amx_int8", 3, 508),
+                                         ("amx_int8", 1, 512), ("amx_int8", 3, 508),
                                          ("amx_int8", 40, 508), ("amx_int8", 300, 508)])
 def test_int8_activation_error(fmt, isa, T, steps, monkeypatch):
     """The int8 paths' one error beyond float32 accumulation: each activation rounded by at most
@@ -147,13 +186,14 @@ EPILOGUES = [("none", True, False, "none"), ("gelu_tanh", True, False, "none"),
              ("gelu_tanh_and_mul", False, False, "rms_norm")]
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + STORED_FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", [1, 5, 9, 17, 25, 64])
 @pytest.mark.parametrize("activation,with_bias,with_residual,norm", EPILOGUES)
 def test_quantized_linear_epilogue(isa, fmt, dtype, T, activation, with_bias, with_residual,
                                    norm):
-    K, N = 96, 66  # N even, so that the gated acts have their gate and up halves
+    # N even, so that the gated acts have their gate and up halves.
+    K, N = (96, 66) if block_weights(fmt) == 32 else (256, 66)
     q, w = quantized(fmt, K, N)
     gen = torch.Generator().manual_seed(T * 7 + N)
     x = torch.randn(T, K, generator=gen).to(dtype)
@@ -165,7 +205,7 @@ def test_quantized_linear_epilogue(isa, fmt, dtype, T, activation, with_bias, wi
     kind = "layer_norm" if norm.startswith("layer_norm") else norm
     norm_args = () if norm == "none" else (kind, gamma, beta, 1e-5)
     out = ops.quantized_linear(x, q, fmt, K, b, activation, r, *norm_args)
-    if rounding(isa, T, dtype):  # the op's own normalized rows, rounded
+    if fmt in FORMATS and rounding(isa, T, dtype):  # the op's own normalized rows, rounded
         rows = kernel_rows(x.double() if norm == "none" else normed_rows(x, *norm_args).double(),
                            isa, dtype)
     else:
@@ -263,9 +303,20 @@ def test_opcheck():
 
 
 ERROR_CASES = [
-    (dict(format="q5_0"), "format must be one of 'q8_0', 'q4_0', 'q4_1', got 'q5_0'"),
+    (dict(format="q2_K"), "format must be one of 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', "
+                          "'q4_K', 'q5_K', 'q6_K', got 'q2_K'"),
     (dict(x=torch.randn(4, 40), in_features=40),
      "in_features must be a non-negative multiple of 32 .*got 40"),
+    (dict(format="q4_K"), r"in_features must be a non-negative multiple of 256 \(the block size "
+                          r"of q4_K\), got 32"),
+    (dict(format="q6_K", x=torch.randn(4, 288), in_features=288),
+     "in_features must be a non-negative multiple of 256 .*q6_K.*got 288"),
+    (dict(format="q5_K", x=torch.randn(4, 256), in_features=256,
+          qweight=torch.zeros(6, 175, dtype=torch.uint8)),
+     r"qweight has 175 bytes per row but in_features = 256 in q5_K blocks takes 176 \(176 "
+     r"bytes per 256 weights\)"),
+    (dict(format="q5_1"), "qweight has 34 bytes per row but in_features = 32 in q5_1 blocks "
+                          "takes 24"),
     (dict(qweight=torch.zeros(6, 33, dtype=torch.uint8)),
      "qweight has 33 bytes per row but in_features = 32 in q8_0 blocks takes 34"),
     (dict(format="q4_1"), "qweight has 34 bytes per row but in_features = 32 in q4_1 blocks "

@@ -1,15 +1,17 @@
-"""Quantized models: a GGUF file's Q8_0 / Q4_0 / Q4_1 tensors run as stored against the same
-weights dequantized to float32, other types converted to q8_0, ``quantization="q8_0"`` on a
-safetensors model, the quantized embedding op, the DecoderStack on quantized blocks, errors."""
+"""Quantized models: a GGUF file's Q8_0 / Q4_0 / Q4_1 tensors, and Q5_0 / Q5_1 / Q4_K / Q5_K /
+Q6_K ones, run as stored against the same weights dequantized to float32, other types converted
+to q8_0, ``quantization="q8_0"`` on a safetensors model, the quantized embedding op, the
+DecoderStack on quantized blocks, errors."""
 from __future__ import annotations
 
 import logging
 import re
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_files import make_model, write_gguf
+from gguf_files import make_model, random_blocks, write_gguf
 from test_decoder_stack import BATCHES, run_both
 from test_loader import forward_logits
 from tiny_models import make_hf_model, save_hf_model
@@ -132,13 +134,13 @@ def test_greedy_outputs_match_the_dequantized_model(native_and_float):
     assert equal >= 6, f"{equal} of 8 greedy outputs equal"
 
 
-def test_mixed_and_k_quant_tensors_convert_to_q8_0(tmp_path, caplog):
-    """A fused weight whose parts differ in format, and K-quants, load as q8_0 (dequantized,
+def test_mixed_and_unread_types_convert_to_q8_0(tmp_path, caplog):
+    """A fused weight whose parts differ in format, and Q2_K / Q3_K, load as q8_0 (dequantized,
     then quantized: within q8_0's rounding of the file's values), with one logged note."""
     types = native_types("llama")
     types["blk.0.attn_k.weight"] = Q.Q8_0  # q and v stay Q4_1
-    types["blk.1.ffn_down.weight"] = Q.Q4_K
-    types["blk.1.ffn_gate.weight"] = types["blk.1.ffn_up.weight"] = Q.Q6_K
+    types["blk.1.ffn_down.weight"] = Q.Q3_K
+    types["blk.1.ffn_gate.weight"] = types["blk.1.ffn_up.weight"] = Q.Q2_K
     path = write_gguf(make_model("llama"), "llama", tmp_path / "mixed.gguf", types)
     with caplog.at_level(logging.INFO, logger="orca_ext.model.quantized"):
         native = load_model(str(path))
@@ -154,6 +156,84 @@ def test_mixed_and_k_quant_tensors_convert_to_q8_0(tmp_path, caplog):
                            dequantize_weight(quantize_weight(want, "q8_0"), "q8_0",
                                              want.shape[1]))
     assert native.model.layers[1].attn.qkv.format == "q4_0"
+
+
+# The formats run as stored beyond Q8_0 / Q4_0 / Q4_1, one per layer of a gemma3 file (six
+# layers, every width a multiple of 256; K-quants as random blocks), its tied embedding Q6_K.
+STORED_LAYER_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q5_1]
+
+
+@pytest.fixture(scope="module")
+def stored_formats_file(tmp_path_factory):
+    types = {"token_embd.weight": Q.Q6_K}
+    for layer in range(make_model("gemma3").config.num_hidden_layers):
+        for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                     "ffn_down"):
+            types[f"blk.{layer}.{part}.weight"] = STORED_LAYER_TYPES[layer % 5]
+    path = tmp_path_factory.mktemp("stored") / "stored.gguf"
+    return write_gguf(make_model("gemma3"), "gemma3", path, types)
+
+
+@pytest.fixture(scope="module")
+def stored_formats_model(stored_formats_file):
+    return (load_model(str(stored_formats_file)),
+            load_model(str(stored_formats_file), quantization="none"))
+
+
+def test_stored_formats_load_as_stored(stored_formats_file, stored_formats_model, caplog):
+    """Q5_0, Q5_1, Q4_K, Q5_K and Q6_K tensors keep the file's blocks, with no conversion note:
+    dequantized, they are the dequantized model's weights bit for bit."""
+    with caplog.at_level(logging.INFO, logger="orca_ext.model.quantized"):
+        load_model(str(stored_formats_file))
+    assert not [r for r in caplog.records if "converted" in r.getMessage()]
+    native, dequantized = stored_formats_model
+    floats = dict(dequantized.model.named_modules())
+    formats = set()
+    for name, module in native.model.named_modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            formats.add(module.format)
+            assert torch.equal(_float_weight(module), floats[name].weight), name
+    assert formats == {"q5_0", "q5_1", "q4_K", "q5_K", "q6_K"}
+    assert native.model.lm_head.weight is _embedding(native.model).weight
+
+
+def test_q5_0_and_q4_0_parts_beside_q8_0_load_exactly_as_q8_0(tmp_path, caplog):
+    """A fused qkv of Q5_0 (or Q4_0) q and k beside a Q8_0 v, as llama.cpp's Q4_K_M files store
+    some layers: q8_0 blocks of the very same weights (no conversion note), bit for bit."""
+    types = native_types("llama")
+    types["blk.0.attn_q.weight"] = types["blk.0.attn_k.weight"] = Q.Q5_0
+    types["blk.0.attn_v.weight"] = types["blk.1.attn_k.weight"] = Q.Q8_0
+    types["blk.1.attn_q.weight"] = types["blk.1.attn_v.weight"] = Q.Q4_0
+    path = write_gguf(make_model("llama"), "llama", tmp_path / "mixed.gguf", types)
+    with caplog.at_level(logging.INFO, logger="orca_ext.model.quantized"):
+        native = load_model(str(path))
+    assert not [r for r in caplog.records if "converted" in r.getMessage()]
+    dequantized = load_model(str(path), quantization="none")
+    for layer in range(2):
+        qkv = native.model.layers[layer].attn.qkv
+        assert qkv.format == "q8_0"
+        assert torch.equal(_float_weight(qkv), dequantized.model.layers[layer].attn.qkv.weight)
+    torch.testing.assert_close(forward_logits(native, TOKENS),
+                               forward_logits(dequantized, TOKENS), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_stored_formats_run_as_the_dequantized_model(stored_formats_model, isa):
+    """On every ISA (avx512_vnni and amx_int8 run these formats on avx512's float kernels) the
+    logits are the dequantized model's to float32 summation order, and the fused stack's decode
+    steps equal the per-op blocks bit for bit."""
+    native, dequantized = stored_formats_model
+    for tokens in (TOKENS, TOKENS[:1], TOKENS[:2]):
+        want = forward_logits(dequantized, tokens)
+        torch.testing.assert_close(forward_logits(native, tokens), want, rtol=1e-4,
+                                   atol=1e-4 * float(want.abs().max()))
+    assert unsupported_reason(native.model) is None
+    assert build_decoder_stack(native.model).max_tokens() == 8
+    for batch in ("decode_4", "mixed_8"):
+        (want, want_caches), (got, got_caches) = run_both(native, BATCHES[batch])
+        assert torch.equal(got, want)
+        for (k_want, v_want), (k_got, v_got) in zip(want_caches, got_caches):
+            assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
@@ -243,7 +323,7 @@ def test_quantized_stack_layer_errors_name_the_argument():
     formats = dict.fromkeys(("qkv", "out", "up", "down"), "q4_1")
     stack.add_layer(weights, formats, 0.125, 0, 0)
     for change, format_change, message in [
-        ({}, dict(qkv="q5_0"), "layer 1's qkv linear: format must be one of"),
+        ({}, dict(qkv="q2_K"), "layer 1's qkv linear: format must be one of"),
         (dict(down=torch.zeros(256, 16 * 18, dtype=torch.uint8)), {},
          "layer 1's down linear: qweight has 288 bytes per row but in_features = 512"),
         (dict(qkv=torch.zeros(500, 160, dtype=torch.uint8)), {},
@@ -275,18 +355,23 @@ def test_blocks_mixing_float_and_quantized_linears_run_the_stack(gguf_file):
 # --- the quantized embedding op ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K"])
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 def test_quantized_embedding_rows(fmt, isa):
-    table = torch.randn(50, 96)
-    q = quantize_weight(table, fmt)
-    full = dequantize_weight(q, fmt, 96)
+    """The rows as gguf dequantizes them, bit for bit (q5 and K-quant tables: random blocks)."""
+    dim = 256 if fmt.endswith("K") else 96
+    if fmt in ("q8_0", "q4_0", "q4_1"):
+        q = quantize_weight(torch.randn(50, dim), fmt)
+    else:
+        kind = Q[fmt.upper()]
+        q = torch.from_numpy(random_blocks(kind, 50, dim, np.random.default_rng(0)))
+    full = dequantize_weight(q, fmt, dim)
     ids = torch.tensor([3, 0, 49, 3, 17])
     for index in (ids, ids.int(), ids[:0]):
-        got = ops.quantized_embedding(index, q, fmt, 96)
+        got = ops.quantized_embedding(index, q, fmt, dim)
         assert got.dtype == torch.float32 and torch.equal(got, full[index.long()])
     many = torch.randint(0, 50, (700,))  # the threaded path
-    assert torch.equal(ops.quantized_embedding(many, q, fmt, 96), full[many])
+    assert torch.equal(ops.quantized_embedding(many, q, fmt, dim), full[many])
 
 
 def test_quantized_embedding_opcheck():
@@ -296,12 +381,18 @@ def test_quantized_embedding_opcheck():
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(format="q5_0"), "format must be one of 'q8_0', 'q4_0', 'q4_1', got 'q5_0'"),
+    (dict(format="iq4_nl"), "format must be one of 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', "
+                            "'q4_K', 'q5_K', 'q6_K', got 'iq4_nl'"),
+    (dict(format="q4_K"), "embedding_dim must be a non-negative multiple of 256 (the block "
+                          "size of q4_K), got 32"),
+    (dict(format="q6_K", embedding_dim=256), "qweight has 34 bytes per row but embedding_dim "
+                                             "= 256 in q6_K blocks takes 210"),
     (dict(ids=torch.tensor([0, 6])), "ids[1] = 6 is out of range for a table of 6 rows"),
     (dict(ids=torch.tensor([-1])), "ids[0] = -1 is out of range"),
     (dict(ids=torch.tensor([0.0])), "ids must be int64 or int32"),
     (dict(ids=torch.tensor([[0]])), "ids must be 1-D"),
-    (dict(embedding_dim=40), "embedding_dim must be a non-negative multiple of 32, got 40"),
+    (dict(embedding_dim=40), "embedding_dim must be a non-negative multiple of 32 (the block "
+                             "size of q8_0), got 40"),
     (dict(embedding_dim=64), "qweight has 34 bytes per row but embedding_dim = 64"),
     (dict(qweight=torch.zeros(6, 34, dtype=torch.int8)), "qweight must have dtype"),
 ])

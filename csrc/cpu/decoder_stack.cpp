@@ -3,12 +3,12 @@
 // the layer's window); x += [post_norm](linear(attention)); x += [post_norm](linear(act(linear(
 // norm(x))))).
 //
-// Up to kSkinnyMaxT tokens (decode at small batch; kQuantStackMaxT for GGUF blocks, whose dot
-// kernels take any number of tokens, on amx_int8) the whole stack runs in ONE parallel region:
-// each linear's blocks split across the threads as packed_linear's skinny path splits them,
-// the attention's work items (one plan per distinct window, shared by the layers) handed out
-// dynamically, and a barrier wherever a step needs the previous one's whole output, so a step
-// pays one dispatch and one fork-join instead of one per op. The kernels, their work split and
+// Up to kSkinnyMaxT tokens (decode at small batch; kQuantStackMaxT for q8_0 / q4_0 / q4_1
+// blocks, whose tile kernels take any number of tokens, on amx_int8) the whole stack runs in ONE
+// parallel region: each linear's blocks split across the threads as packed_linear's skinny path
+// splits them, the attention's work items (one plan per distinct window, shared by the layers)
+// handed out dynamically, and a barrier wherever a step needs the previous one's whole output,
+// so a step pays one dispatch and one fork-join instead of one per op. The kernels, their work split and
 // their rounding are packed_linear's, rms_norm's and ragged_attention's, so the results are the
 // per-op blocks' bit for bit.
 #include "decoder_stack.h"
@@ -139,8 +139,8 @@ void linear_share(const StackShape& s, Activation act, const LinearStep<scalar_t
   if (step.linear.format) {
     // As quantized_linear: the rows as float32, split into int8 parts for the int8 kernels.
     for (int64_t i = 0; i < T * K; ++i) floats[i] = static_cast<float>(step.rows[i]);
-    const Int8Path path = int8_path(s.isa, T, true);
     const cpu::quant::Format format = *step.linear.format;
+    const Int8Path path = int8_path(s.isa, format, T, true);
     quantize_for(path, format, floats, T, K, int8);
     float y[2][kQuantStackMaxT * kSkinnyBlock];
     dispatch_activation(act, [&]<Activation a>() {
@@ -369,11 +369,14 @@ DecoderStack::DecoderStack(std::string norm, double norm_eps, std::string activa
 }
 
 int64_t DecoderStack::max_tokens() const {
-  // amx_int8's tile kernels gain on the per-op path's panels up to kQuantStackMaxT tokens; the
-  // float dot kernels, 8 tokens a pass, do not beyond kSkinnyMaxT.
+  // amx_int8's tile kernels (q8_0, q4_0, q4_1) gain on the per-op path's panels up to
+  // kQuantStackMaxT tokens; the float dot kernels, 8 tokens a pass, do not beyond kSkinnyMaxT.
+  const auto tiled = [](const Linear& linear) {
+    return linear.format && cpu::quant::has_int8_kernels(*linear.format);
+  };
   const bool quantized =
-      !layers_.empty() && std::all_of(layers_.begin(), layers_.end(), [](const Layer& l) {
-        return l.qkv.format && l.out.format && l.up.format && l.down.format;
+      !layers_.empty() && std::all_of(layers_.begin(), layers_.end(), [&](const Layer& l) {
+        return tiled(l.qkv) && tiled(l.out) && tiled(l.up) && tiled(l.down);
       });
   return quantized && chosen_quant_isa() == cpu::quant::Isa::kAmxInt8 ? kQuantStackMaxT
                                                                       : kSkinnyMaxT;

@@ -21,7 +21,7 @@ namespace orca {
 
 class DecoderStack : public torch::CustomClassHolder {
  public:
-  // One linear: a float weight [N, K] or GGUF blocks of `format` (uint8 [N, K / 32 * bytes]).
+  // One linear: a float weight [N, K] or GGUF blocks of `format` (uint8 [N, row_bytes]).
   struct Linear {
     at::Tensor weight;
     std::optional<at::Tensor> bias;
@@ -48,8 +48,9 @@ class DecoderStack : public torch::CustomClassHolder {
   // names to tensors: attn_norm, qkv, out, mlp_norm, up, down (required); attn_norm_bias,
   // qkv_bias, out_bias, mlp_norm_bias, up_bias, down_bias, q_norm, k_norm, post_attn_norm,
   // post_mlp_norm (optional, but the same set in every layer). `formats` names the GGUF format
-  // ('q8_0', 'q4_0', 'q4_1') of each of qkv, out, up, down that holds blocks; the others are
-  // float weights of the hidden states' dtype.
+  // (any quantized_linear reads: 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q4_K', 'q5_K',
+  // 'q6_K') of each of qkv, out, up, down that holds blocks; the others are float weights of
+  // the hidden states' dtype.
   void add_layer(const c10::Dict<std::string, at::Tensor>& weights,
                  const c10::Dict<std::string, std::string>& formats, double scale,
                  int64_t window, int64_t rotary);

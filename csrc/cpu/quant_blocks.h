@@ -25,7 +25,8 @@ constexpr int64_t kInt8MaxT = 2;
 // bfloat16, so taken whether or not the call allows int8 rounding).
 enum class Int8Path { kNone, kVnni, kAmx };
 
-// 'q8_0', 'q4_0' or 'q4_1'; a RuntimeError naming `what` otherwise.
+// The format named 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q4_K', 'q5_K' or 'q6_K' (ggml's
+// type names); a RuntimeError naming `what` otherwise.
 cpu::quant::Format parse_quant_format(c10::string_view name, const char* what = "format");
 
 // The kernels' path: ORCA_QUANT_ISA (read at each call, so tests can switch it) where set, else
@@ -49,9 +50,13 @@ QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& q
                                         const std::optional<at::Tensor>& norm_bias,
                                         double norm_eps);
 
-// The path of T tokens on the ISA (allow_int8: whether the call allows int8 rounding).
-inline Int8Path int8_path(cpu::quant::Isa isa, int64_t T, bool allow_int8) {
+// The path of T tokens of the format on the ISA (allow_int8: whether the call allows int8
+// rounding). avx512_vnni and amx_int8 run the formats without int8 kernels on AVX-512's float
+// kernels.
+inline Int8Path int8_path(cpu::quant::Isa isa, cpu::quant::Format fmt, int64_t T,
+                          bool allow_int8) {
   using cpu::quant::Isa;
+  if (!cpu::quant::has_int8_kernels(fmt)) return Int8Path::kNone;
   if (T <= kInt8MaxT) {
     const bool vnni = isa == Isa::kAvx512Vnni || isa == Isa::kAmxInt8;
     return vnni && allow_int8 ? Int8Path::kVnni : Int8Path::kNone;
@@ -86,7 +91,7 @@ void quant_dot_blocks(cpu::quant::Isa isa, cpu::quant::Format fmt, const float* 
                       const scalar_t* bias, const scalar_t* residual, scalar_t* out, int64_t N,
                       int64_t begin, int64_t end, float* y_gate, float* y_up) {
   constexpr int64_t B = kSkinnyBlock, kChunk = cpu::quant::kMaxDotTokens;
-  const int64_t row_bytes = K / cpu::quant::kBlockSize * cpu::quant::block_bytes(fmt);
+  const int64_t row_bytes = cpu::quant::row_bytes(fmt, K);
   const int64_t half = is_gated(act) ? N : 0;  // offset of the up rows
   float* const y[2] = {y_gate, y_up};
   for (int64_t blk = begin; blk < end; ++blk) {

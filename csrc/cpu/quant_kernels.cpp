@@ -4,6 +4,8 @@
 // x86-64 CPU and picks its path at run time.
 #include "orca/cpu/quant_linear.h"
 
+#include <cstdlib>
+
 // GCC 12 warns that the AVX-512 intrinsics' own _mm512_undefined_* placeholders are used
 // uninitialized when they are inlined into target-pragma code (its bug 105593, a false positive):
 // off for the intrinsic headers, parsed here first.
@@ -23,13 +25,28 @@
 namespace orca::cpu::quant {
 namespace {
 
-// f.template operator()<F>() for the format.
+// f.template operator()<F>() for a format the int8 kernels read (has_int8_kernels); their
+// callers route the others to the float kernels (quant_blocks.h's int8_path).
 template <typename Fn>
-void dispatch_format(Format format, const Fn& f) {
+void dispatch_int8_format(Format format, const Fn& f) {
   switch (format) {
     case Format::kQ8_0: return f.template operator()<Format::kQ8_0>();
     case Format::kQ4_0: return f.template operator()<Format::kQ4_0>();
     case Format::kQ4_1: return f.template operator()<Format::kQ4_1>();
+    default: std::abort();
+  }
+}
+
+// f.template operator()<F>() for the format.
+template <typename Fn>
+void dispatch_format(Format format, const Fn& f) {
+  switch (format) {
+    case Format::kQ5_0: return f.template operator()<Format::kQ5_0>();
+    case Format::kQ5_1: return f.template operator()<Format::kQ5_1>();
+    case Format::kQ4_K: return f.template operator()<Format::kQ4_K>();
+    case Format::kQ5_K: return f.template operator()<Format::kQ5_K>();
+    case Format::kQ6_K: return f.template operator()<Format::kQ6_K>();
+    default: return dispatch_int8_format(format, f);
   }
 }
 
@@ -69,6 +86,7 @@ void dot_rows(Isa isa, Format format, const float* x, int64_t T, int64_t K, cons
   dispatch_format(format, [&]<Format F>() {
     dispatch_tokens(T, [&]<int kT>() {
       switch (isa) {
+        // avx512_vnni and amx_int8 run the float kernels of AVX-512 where they run no int8 ones.
         case Isa::kAvx512:
         case Isa::kAvx512Vnni:
         case Isa::kAmxInt8: return avx512::dot_rows<F, kT>(x, K, w, rows, y, y_stride);
@@ -90,7 +108,7 @@ void quantize_activations(Format format, const float* x, int64_t T, int64_t K, v
 void dot_rows_int8(Format format, const void* x_int8, int64_t T, int64_t K, const uint8_t* w,
                    int64_t rows, float* y, int64_t y_stride) {
   const auto* x = static_cast<const vnni::BlockPair*>(x_int8);
-  dispatch_format(format, [&]<Format F>() {
+  dispatch_int8_format(format, [&]<Format F>() {
     dispatch_tokens(T, [&]<int kT>() { vnni::dot_rows<F, kT>(x, K, w, rows, y, y_stride); });
   });
 }
@@ -109,7 +127,8 @@ void quantize_activations_amx(Format format, const float* x, int64_t T, int64_t 
 void dot_rows_amx(Format format, const void* x_amx, int64_t T, int64_t K, const uint8_t* w,
                   int64_t rows, float* y, int64_t y_stride) {
   const auto* x = static_cast<const uint8_t*>(x_amx);
-  dispatch_format(format, [&]<Format F>() { amx::dot_rows<F>(x, T, K, w, rows, y, y_stride); });
+  dispatch_int8_format(format,
+                       [&]<Format F>() { amx::dot_rows<F>(x, T, K, w, rows, y, y_stride); });
 }
 
 namespace {

@@ -1,5 +1,6 @@
-// quantized_embedding on CPU: the rows ids of a GGUF q8_0 / q4_0 / q4_1 table, dequantized to
-// float32 one row at a time (the table itself stays quantized).
+// quantized_embedding on CPU: the rows ids of a table of GGUF blocks (any format
+// quantized_linear reads), dequantized to float32 one row at a time (the table itself stays
+// quantized).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -14,16 +15,17 @@ at::Tensor quantized_embedding_cpu(const at::Tensor& ids_in, const at::Tensor& q
   check_dim(ids_in, "ids", 1, "[T]");
   TORCH_CHECK(ids_in.scalar_type() == at::kLong || ids_in.scalar_type() == at::kInt,
               "ids must be int64 or int32, got ", ids_in.scalar_type());
-  check_dim(qweight_in, "qweight", 2, "[num_embeddings, embedding_dim / 32 * block_bytes]");
+  check_dim(qweight_in, "qweight", 2,
+            "[num_embeddings, embedding_dim / block_weights * block_bytes]");
   check_dtype(qweight_in, "qweight", at::kByte);
   TORCH_CHECK(qweight_in.device().is_cpu() && ids_in.device().is_cpu(),
               "quantized_embedding runs on the CPU; qweight is on ", qweight_in.device(),
               " and ids on ", ids_in.device());
-  TORCH_CHECK(embedding_dim >= 0 && embedding_dim % cpu::quant::kBlockSize == 0,
-              "embedding_dim must be a non-negative multiple of ", cpu::quant::kBlockSize,
-              ", got ", embedding_dim);
-  const int64_t row_bytes =
-      embedding_dim / cpu::quant::kBlockSize * cpu::quant::block_bytes(fmt);
+  const int64_t block = cpu::quant::weights_per_block(fmt);
+  TORCH_CHECK(embedding_dim >= 0 && embedding_dim % block == 0,
+              "embedding_dim must be a non-negative multiple of ", block, " (the block size of ",
+              std::string(format), "), got ", embedding_dim);
+  const int64_t row_bytes = cpu::quant::row_bytes(fmt, embedding_dim);
   TORCH_CHECK(qweight_in.size(1) == row_bytes, "qweight has ", qweight_in.size(1),
               " bytes per row but embedding_dim = ", embedding_dim, " in ", std::string(format),
               " blocks takes ", row_bytes);

@@ -1,5 +1,6 @@
-// quantized_linear on CPU: y = act(norm(x) @ W^T + b) + residual, W held as GGUF q8_0 / q4_0 /
-// q4_1 blocks (orca/cpu/quant_formats.h), with packed_linear's epilogue.
+// quantized_linear on CPU: y = act(norm(x) @ W^T + b) + residual, W held as GGUF blocks (q8_0,
+// q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K: orca/cpu/quant_formats.h), with packed_linear's
+// epilogue.
 // Up to 24 tokens (16 for bfloat16 x) each weight row's blocks are read from memory once and
 // dequantized in registers for up to 8 tokens at a time (orca/cpu/quant_kernel.h), in blocks of
 // kSkinnyBlock output columns (a further 8 tokens re-read the block from cache).
@@ -8,8 +9,9 @@
 // epilogue on the panel's output columns while they are in cache.
 // The kernels' ISA (portable, avx2, avx512, avx512_vnni: avx512 with int8 activations for up to
 // kInt8MaxT tokens, amx_int8: avx512_vnni with AMX-INT8 tile products on activations split into
-// two int8 parts for more: any number of float32 tokens, up to kAmxMaxTBf16 bfloat16 ones) is
-// the best this CPU runs, or ORCA_QUANT_ISA's.
+// two int8 parts for more: any number of float32 tokens, up to kAmxMaxTBf16 bfloat16 ones; both
+// for q8_0 / q4_0 / q4_1 only, avx512 for the other formats) is the best this CPU runs, or
+// ORCA_QUANT_ISA's.
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
@@ -17,6 +19,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "normalized_input.h"
@@ -35,12 +38,18 @@ constexpr int64_t kDotMaxTFloat = 24, kDotMaxTBf16 = 16;
 constexpr int64_t kAmxMaxTBf16 = 64;
 constexpr int64_t kPanelBytes = 1024 * 1024;  // per thread: a dequantized panel, half an L2
 
+// The formats by their ggml type names.
+constexpr std::pair<const char*, Format> kFormatNames[] = {
+    {"q8_0", Format::kQ8_0}, {"q4_0", Format::kQ4_0}, {"q4_1", Format::kQ4_1},
+    {"q5_0", Format::kQ5_0}, {"q5_1", Format::kQ5_1}, {"q4_K", Format::kQ4_K},
+    {"q5_K", Format::kQ5_K}, {"q6_K", Format::kQ6_K}};
+
 Format parse_quant_format(c10::string_view name, const char* what) {
-  if (name == "q8_0") return Format::kQ8_0;
-  if (name == "q4_0") return Format::kQ4_0;
-  if (name == "q4_1") return Format::kQ4_1;
-  TORCH_CHECK(false, what, " must be one of 'q8_0', 'q4_0', 'q4_1', got '", std::string(name),
-              "'");
+  for (const auto& [known, format] : kFormatNames) {
+    if (name == known) return format;
+  }
+  TORCH_CHECK(false, what, " must be one of 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q4_K', "
+              "'q5_K', 'q6_K', got '", std::string(name), "'");
 }
 
 Isa chosen_quant_isa() {
@@ -71,19 +80,20 @@ QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& q
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "x must be float32 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK(x.device().is_cpu(), "x must be on the CPU, got ", x.device());
-  check_dim(qweight, "qweight", 2, "[N, K / 32 * block_bytes] (uint8 GGUF blocks)");
+  check_dim(qweight, "qweight", 2, "[N, K / block_weights * block_bytes] (uint8 GGUF blocks)");
   check_dtype(qweight, "qweight", at::kByte);
   check_same_device(qweight, "qweight", x, "x");
-  TORCH_CHECK(in_features >= 0 && in_features % cpu::quant::kBlockSize == 0,
-              "in_features must be a non-negative multiple of ", cpu::quant::kBlockSize,
-              " (the block size of ", std::string(format), "), got ", in_features);
+  const int64_t block = cpu::quant::weights_per_block(fmt);
+  TORCH_CHECK(in_features >= 0 && in_features % block == 0,
+              "in_features must be a non-negative multiple of ", block, " (the block size of ",
+              std::string(format), "), got ", in_features);
   TORCH_CHECK(x.size(1) == in_features, "x is ", shape_str(x), " but in_features = ",
               in_features, ": x.size(1) must equal in_features (K)");
-  const int64_t row_bytes = in_features / cpu::quant::kBlockSize * cpu::quant::block_bytes(fmt);
+  const int64_t row_bytes = cpu::quant::row_bytes(fmt, in_features);
   TORCH_CHECK(qweight.size(1) == row_bytes, "qweight has ", qweight.size(1),
               " bytes per row but in_features = ", in_features, " in ", std::string(format),
               " blocks takes ", row_bytes, " (", cpu::quant::block_bytes(fmt), " bytes per ",
-              cpu::quant::kBlockSize, " weights)");
+              block, " weights)");
   return {fmt, act, check_epilogue_inputs(x, qweight.size(0), "qweight", act, bias, residual,
                                           norm, norm_weight, norm_bias, norm_eps)};
 }
@@ -110,7 +120,7 @@ template <typename scalar_t, Activation act>
 void panel_linear(Isa isa, Format fmt, const at::Tensor& x, const uint8_t* w,
                   const scalar_t* bias, const scalar_t* residual, at::Tensor& out) {
   const int64_t T = x.size(0), K = x.size(1), N = out.size(1);
-  const int64_t row_bytes = K / cpu::quant::kBlockSize * cpu::quant::block_bytes(fmt);
+  const int64_t row_bytes = cpu::quant::row_bytes(fmt, K);
   const int64_t parts = is_gated(act) ? 2 : 1;
   const int64_t half = parts == 2 ? N : 0;  // offset of the up rows
   // Panels of up to kPanelBytes (rows a multiple of 16), one GEMM call each (fewer, larger
@@ -180,7 +190,7 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
   const auto run = [&]<typename scalar_t, Activation a>() {
     const scalar_t* bias_ptr = bias_in ? bias.data_ptr<scalar_t>() : nullptr;
     const scalar_t* res_ptr = residual_in ? residual.data_ptr<scalar_t>() : nullptr;
-    const Int8Path path = int8_path(isa, T, int8_activations);
+    const Int8Path path = int8_path(isa, fmt, T, int8_activations);
     constexpr bool kFloat = std::is_same_v<scalar_t, float>;
     const int64_t dot_max_t = path == Int8Path::kAmx ? (kFloat ? T : kAmxMaxTBf16)
                               : kFloat               ? kDotMaxTFloat

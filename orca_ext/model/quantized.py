@@ -2,10 +2,11 @@
 that hold them, and filling them from a checkpoint.
 
 ``quantization`` (``EngineConfig``, ``load_model``): None runs a GGUF file in its stored formats
-(Q8_0 / Q4_0 / Q4_1 blocks as stored; other quantized types converted to q8_0 at load) and any
-other model unquantized; ``"none"`` dequantizes everything; ``"q8_0"``, ``"q4_0"``, ``"q4_1"``
-quantize every linear weight (and a tied embedding with the output head) at load. Quantized
-models run float32 activations by default, as llama.cpp does.
+(Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks as stored; other quantized types,
+Q2_K and Q3_K, converted to q8_0 at load) and any other model unquantized; ``"none"``
+dequantizes everything; ``"q8_0"``, ``"q4_0"``, ``"q4_1"`` quantize every linear weight (and a
+tied embedding with the output head) at load. Quantized models run float32 activations by
+default, as llama.cpp does.
 """
 from __future__ import annotations
 
@@ -18,17 +19,18 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..quantize import BLOCK_BYTES, BLOCK_SIZE, quantize_weight
+from ..quantize import (BLOCK_LAYOUTS, EXACT_IN_Q8_0, QUANTIZE_FORMATS, as_exact_q8_0,
+                        block_weights, quantize_weight, row_bytes)
 from .layers import Embedding, LayerNorm, Layer, Linear, RMSNorm
 from .weights import Checkpoint, HFWeight
 
 _log = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("none", *BLOCK_BYTES)
+QUANTIZATIONS = ("none", *QUANTIZE_FORMATS)
 # GGUF tensor types the quantized kernels read as stored, by their format names.
-NATIVE_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+NATIVE_TYPES = {format.upper(): format for format in BLOCK_LAYOUTS}
 FLOAT_TYPES = ("F32", "F16", "BF16")
-# The format other quantized GGUF types (K-quants, Q5_0, ...) are converted to at load.
+# The format other quantized GGUF types (Q2_K, Q3_K) are converted to at load.
 CONVERTED_FORMAT = "q8_0"
 
 
@@ -39,19 +41,15 @@ def check_quantization(quantization: str | None) -> str | None:
     return quantization
 
 
-def _row_bytes(in_features: int, format: str) -> int:
-    return in_features // BLOCK_SIZE * BLOCK_BYTES[format]
-
-
 def _blocks(rows: int, in_features: int, format: str) -> nn.Parameter:
-    return nn.Parameter(torch.empty(rows, _row_bytes(in_features, format), dtype=torch.uint8),
+    return nn.Parameter(torch.empty(rows, row_bytes(format, in_features), dtype=torch.uint8),
                         requires_grad=False)
 
 
 class QuantizedLinear(Layer):
     """``Linear`` with its weight as GGUF blocks: ``weight`` is uint8 ``[out_features,
-    in_features / 32 * block_bytes]`` of ``format`` (``ops.quantized_linear``); the bias, the
-    fused norm and the activations stay float."""
+    in_features / block_weights * block_bytes]`` of ``format`` (``ops.quantized_linear``); the
+    bias, the fused norm and the activations stay float."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  activation: str = "none", format: str = "q8_0") -> None:
@@ -107,8 +105,9 @@ class QuantizedEmbedding(Layer):
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """How one parameter is filled: GGUF blocks of ``format``, copied as stored (``native``) or
-    quantized at load from the float weights."""
+    """How one parameter is filled: GGUF blocks of ``format``, copied as stored (``native``;
+    q4_0 / q5_0 parts of a q8_0 weight rewritten exactly by ``as_exact_q8_0``) or quantized at
+    load from the float weights."""
 
     format: str
     native: bool
@@ -134,8 +133,9 @@ def plan_quantization(model: nn.Module, weight_map: dict[str, HFWeight],
     """The parameters (names in ``weight_map``) to hold as GGUF blocks and how to fill them.
     With a format, every linear weight (a tied embedding with it) whose width is a multiple of
     32; with None, a GGUF checkpoint's quantized tensors (``checkpoint.raw``), native where the
-    stored format is Q8_0 / Q4_0 / Q4_1 (every part of a fused weight in the same one), else
-    converted to q8_0 with one logged note."""
+    kernels read the stored type (NATIVE_TYPES; every part of a fused weight in the same one, or
+    the parts in Q8_0 and types q8_0 holds exactly, as llama.cpp's Q4_K_M files store a Q8_0 v
+    beside a Q5_0 q and k), else converted to q8_0 with one logged note."""
     if quantization == "none" or (quantization is None and not hasattr(checkpoint, "raw")):
         return {}
     matrices, tied = _matrices(model), tied_names(model)
@@ -147,7 +147,8 @@ def plan_quantization(model: nn.Module, weight_map: dict[str, HFWeight],
         group = [matrices[n] for n in tied[name] if n in matrices]
         width = module.weight.shape[1]
         if quantization is not None:
-            if any(isinstance(m, Linear) for m in group) and width % BLOCK_SIZE == 0:
+            linear = any(isinstance(m, Linear) for m in group)
+            if linear and width % block_weights(quantization) == 0:
                 plan[name] = QuantizedWeight(quantization, False)
             continue
         types = {checkpoint.raw(n).tensor_type.name for n in weight_map[name].names}
@@ -155,7 +156,9 @@ def plan_quantization(model: nn.Module, weight_map: dict[str, HFWeight],
             continue
         if len(types) == 1 and types <= NATIVE_TYPES.keys():
             plan[name] = QuantizedWeight(NATIVE_TYPES[types.pop()], True)
-        elif width % BLOCK_SIZE == 0:
+        elif "Q8_0" in types and {t.lower() for t in types} <= EXACT_IN_Q8_0.keys():
+            plan[name] = QuantizedWeight("q8_0", True)
+        elif width % block_weights(CONVERTED_FORMAT) == 0:
             plan[name] = QuantizedWeight(CONVERTED_FORMAT, False)
             converted.append(f"{name} ({'+'.join(sorted(types))})")
     if converted:
@@ -188,12 +191,19 @@ def quantize_modules(model: nn.Module, plan: dict[str, QuantizedWeight],
 def load_quantized(out: torch.Tensor, checkpoint: Checkpoint, spec: HFWeight,
                    shape: tuple[int, int], how: QuantizedWeight) -> None:
     """Fill ``out``, the uint8 blocks of a weight of float ``shape`` ``[N, K]``: the stored rows
-    (fused parts one after the other), or its float parts quantized."""
+    (fused parts one after the other; a part stored in another format than ``how.format``
+    rewritten by ``as_exact_q8_0``), or its float parts quantized."""
     parts = checkpoint.parts(spec, shape)
     if how.native:
         offset = 0
         for name, (rows, _) in zip(spec.names, parts):
-            checkpoint.copy_raw_blocks(name, out[offset:offset + rows])
+            stored = NATIVE_TYPES[checkpoint.raw(name).tensor_type.name]
+            if stored == how.format:
+                checkpoint.copy_raw_blocks(name, out[offset:offset + rows])
+            else:
+                blocks = torch.empty(rows, row_bytes(stored, shape[1]), dtype=torch.uint8)
+                checkpoint.copy_raw_blocks(name, blocks)
+                out[offset:offset + rows].copy_(as_exact_q8_0(blocks, stored))
             offset += rows
         return
     values = [piece[:].t() if spec.transpose else piece[:] for _, piece in parts]

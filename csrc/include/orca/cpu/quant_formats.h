@@ -1,12 +1,27 @@
 // Torch-free definitions of the GGUF (ggml) weight blocks quantized_linear reads, exactly as
-// llama.cpp's ggml-common.h lays them out: 32 weights per block, little-endian fields.
+// llama.cpp's ggml-common.h lays them out and ggml-quants.c's dequantize_row_* reads them
+// (little-endian fields, fp16 scales).
+// Blocks of 32 weights:
 // - q8_0: fp16 d, int8 qs[32]; w[j] = qs[j] * d (34 bytes).
 // - q4_0: fp16 d, uint8 qs[16]; w[j] = ((qs[j] & 15) - 8) * d, w[j + 16] = ((qs[j] >> 4) - 8) * d
 //   (18 bytes).
 // - q4_1: fp16 d, fp16 m, uint8 qs[16]; w[j] = (qs[j] & 15) * d + m, w[j + 16] = (qs[j] >> 4) *
 //   d + m (20 bytes).
-// The products q * d are exact in float32 (at most 8 + 11 significant bits), so a float32
-// dequantization equals gguf.quants.dequantize bit for bit.
+// - q5_0: fp16 d, uint32 qh, uint8 qs[16]; q4_0's nibbles with bit j of qh as bit 4 of weight
+//   j, w[j] = (q[j] - 16) * d (22 bytes).
+// - q5_1: fp16 d, fp16 m, uint32 qh, uint8 qs[16]; w[j] = q[j] * d + m, q[j] as q5_0's (24 bytes).
+// Super-blocks of 256 weights, eight sub-blocks of 32 (six-bit scales sc and mins mn of the
+// sub-blocks packed in 12 bytes as ggml's get_scale_min_k4 reads them):
+// - q4_K: fp16 d, fp16 dmin, scales[12], qs[128]; sub-block s takes the low (s even) or high
+//   nibbles of qs[32 (s / 2) ...], w = (d sc_s) q - dmin mn_s (144 bytes).
+// - q5_K: fp16 d, fp16 dmin, scales[12], qh[32], qs[128]; q4_K with bit s of qh[l] as bit 4 of
+//   sub-block s's weight l (176 bytes).
+// - q6_K: ql[128], qh[64], int8 scales[16], fp16 d; 16 scales of 16 weights each, w = (d
+//   scale) (q - 32), q 6 bits: four nibbles of ql and two bits of qh (210 bytes).
+// Every product of a scale and a quant is exact in float32 (at most 24 significant bits: d's 11
+// times q6_K's |scale q| <= 4096, or q4_K / q5_K's 6-bit sc times a 4- or 5-bit q), so a float32
+// dequantization that rounds once after the product (the offset's add) equals
+// gguf.quants.dequantize bit for bit, whichever order the products take.
 #pragma once
 
 #include <bit>
@@ -15,15 +30,45 @@
 
 namespace orca::cpu::quant {
 
-enum class Format { kQ8_0, kQ4_0, kQ4_1 };
+enum class Format { kQ8_0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K };
 
-constexpr int64_t kBlockSize = 32;  // weights per block, in every format
+// The kernels' unit of weights: a block of the 32-weight formats, a sub-block of the K-quants.
+constexpr int64_t kBlockSize = 32;
 
-constexpr int64_t block_bytes(Format f) {
-  return f == Format::kQ8_0 ? 34 : f == Format::kQ4_0 ? 18 : 20;
+constexpr bool is_k_quant(Format f) {
+  return f == Format::kQ4_K || f == Format::kQ5_K || f == Format::kQ6_K;
 }
 
-// The first byte of a block's quants (after d, and m for q4_1).
+// Weights per block (a K-quant's super-block): K must be a multiple of it.
+constexpr int64_t weights_per_block(Format f) { return is_k_quant(f) ? 256 : kBlockSize; }
+
+constexpr int64_t block_bytes(Format f) {
+  switch (f) {
+    case Format::kQ8_0: return 34;
+    case Format::kQ4_0: return 18;
+    case Format::kQ4_1: return 20;
+    case Format::kQ5_0: return 22;
+    case Format::kQ5_1: return 24;
+    case Format::kQ4_K: return 144;
+    case Format::kQ5_K: return 176;
+    case Format::kQ6_K: return 210;
+  }
+  return 0;
+}
+
+// The bytes of a row of K weights (K a multiple of weights_per_block(f)).
+constexpr int64_t row_bytes(Format f, int64_t K) {
+  return K / weights_per_block(f) * block_bytes(f);
+}
+
+// Whether the avx512_vnni / amx_int8 int8-activation kernels read the format (q8_0, q4_0,
+// q4_1); they also keep their own tuned float dequantization, while the others are read as
+// unsigned quants times a scale plus an offset (chunk_scale, chunk_quants).
+constexpr bool has_int8_kernels(Format f) {
+  return f == Format::kQ8_0 || f == Format::kQ4_0 || f == Format::kQ4_1;
+}
+
+// The first byte of a q8_0 / q4_0 / q4_1 block's quants (after d, and m for q4_1).
 constexpr int64_t quants_offset(Format f) { return f == Format::kQ4_1 ? 4 : 2; }
 
 inline uint16_t load_u16(const uint8_t* p) {
@@ -50,6 +95,105 @@ inline uint16_t float_to_bf16(float f) {
   const uint32_t u = std::bit_cast<uint32_t>(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The six-bit scale and min of sub-block s (0-7) of a q4_K / q5_K super-block, as ggml's
+// get_scale_min_k4 unpacks them from the 12 bytes at `scales`.
+inline void scale_min_k4(int s, const uint8_t* scales, int& scale, int& min) {
+  if (s < 4) {
+    scale = scales[s] & 63;
+    min = scales[s + 4] & 63;
+  } else {
+    scale = (scales[s + 4] & 0xf) | ((scales[s - 4] >> 6) << 4);
+    min = (scales[s + 4] >> 4) | ((scales[s] >> 6) << 4);
+  }
+}
+
+// How chunk c (weights 32c to 32c + 31) of a row in a format without int8 kernels is scaled:
+// weight j is q[j] * scale[j / 16] + offset[j / 16], q its unsigned quant (chunk_quants).
+struct ChunkScale {
+  float scale[2];
+  float offset[2];
+};
+
+// Chunk c's scales, fp16 values read by half (the ISA's fp16 to float conversion). Each scale
+// is computed as ggml-quants.c computes it (d * sc, dmin * mn: exact), so that one rounding
+// after q * scale (exact) gives gguf's values.
+template <Format F, typename HalfToFloat>
+inline ChunkScale chunk_scale(const uint8_t* row, int64_t c, const HalfToFloat& half) {
+  static_assert(!has_int8_kernels(F));
+  if constexpr (F == Format::kQ5_0 || F == Format::kQ5_1) {
+    const uint8_t* block = row + c * block_bytes(F);
+    const float d = half(load_u16(block));
+    const float offset = F == Format::kQ5_1 ? half(load_u16(block + 2)) : -16.f * d;
+    return {{d, d}, {offset, offset}};
+  } else {
+    const uint8_t* block = row + c / 8 * block_bytes(F);
+    const int s = static_cast<int>(c % 8);
+    if constexpr (F == Format::kQ6_K) {
+      const float d = half(load_u16(block + 208));
+      const auto* scales = reinterpret_cast<const int8_t*>(block + 192);
+      const float scale0 = d * static_cast<float>(scales[2 * s]);
+      const float scale1 = d * static_cast<float>(scales[2 * s + 1]);
+      return {{scale0, scale1}, {-32.f * scale0, -32.f * scale1}};
+    } else {
+      int sc = 0, mn = 0;
+      scale_min_k4(s, block + 4, sc, mn);
+      const float scale = half(load_u16(block)) * static_cast<float>(sc);
+      const float offset = -(half(load_u16(block + 2)) * static_cast<float>(mn));
+      return {{scale, scale}, {offset, offset}};
+    }
+  }
+}
+
+// A q5_0 / q5_1 block's quant fields: bit j of high_bits is bit 4 of weight j; nibbles[j] holds
+// the low 4 bits of weights j (low nibble) and j + 16 (high nibble).
+struct Q5Quants {
+  uint32_t high_bits;
+  const uint8_t* nibbles;
+};
+
+template <Format F>
+inline Q5Quants q5_quants(const uint8_t* block) {
+  static_assert(F == Format::kQ5_0 || F == Format::kQ5_1);
+  const int64_t qh_at = F == Format::kQ5_1 ? 4 : 2;
+  uint32_t high_bits;
+  std::memcpy(&high_bits, block + qh_at, sizeof(high_bits));
+  return {high_bits, block + qh_at + 4};
+}
+
+// Chunk c's 32 unsigned quants (q5: 0-31, q4_K: 0-15, q5_K: 0-31, q6_K: 0-63), one at a time
+// (the vector paths build them 32 at once from the same bytes).
+template <Format F>
+inline void chunk_quants(const uint8_t* row, int64_t c, uint8_t (&q)[kBlockSize]) {
+  static_assert(!has_int8_kernels(F));
+  if constexpr (F == Format::kQ5_0 || F == Format::kQ5_1) {
+    const auto [qh, qs] = q5_quants<F>(row + c * block_bytes(F));
+    for (int j = 0; j < kBlockSize / 2; ++j) {
+      q[j] = static_cast<uint8_t>((qs[j] & 15) | ((qh >> j) & 1) << 4);
+      q[j + 16] = static_cast<uint8_t>((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
+    }
+  } else {
+    const uint8_t* block = row + c / 8 * block_bytes(F);
+    const int s = static_cast<int>(c % 8);
+    if constexpr (F == Format::kQ6_K) {
+      // Sub-blocks 4h to 4h + 3 read ql[64h ...] and qh[32h ...]: the low nibbles of the first
+      // and second 32 bytes, then their high nibbles; qh's bits 2(s % 4) and up.
+      const uint8_t* ql = block + 64 * (s / 4) + 32 * (s % 2);
+      const uint8_t* qh = block + 128 + 32 * (s / 4);
+      const int nibble_shift = 4 * (s % 4 / 2), high_shift = 2 * (s % 4);
+      for (int l = 0; l < kBlockSize; ++l) {
+        q[l] = static_cast<uint8_t>(((ql[l] >> nibble_shift) & 15) |
+                                    ((qh[l] >> high_shift) & 3) << 4);
+      }
+    } else {
+      const uint8_t* qs = block + (F == Format::kQ5_K ? 48 : 16) + 32 * (s / 2);
+      for (int l = 0; l < kBlockSize; ++l) {
+        const int high = F == Format::kQ5_K ? ((block[16 + l] >> s) & 1) << 4 : 0;
+        q[l] = static_cast<uint8_t>(((qs[l] >> (4 * (s % 2))) & 15) | high);
+      }
+    }
+  }
 }
 
 }  // namespace orca::cpu::quant
