@@ -12,6 +12,7 @@ import json
 import re
 import uuid
 
+import grpc
 import httpx
 import jsonschema
 import lark
@@ -24,7 +25,7 @@ from json_schemas import SCHEMAS
 from orca_ext import LLM, SamplingParams
 from orca_ext.async_engine import AsyncEngine
 from orca_ext.sampling_params import StructuredOutputsParams
-from orca_ext.server import create_app
+from orca_ext.server import ServingCore, create_app, orca_pb2, orca_pb2_grpc, start_grpc_server
 from orca_ext.server.tools import tool_setup
 
 MAX_TOKENS = 120
@@ -217,13 +218,18 @@ class Person(pydantic.BaseModel):
 
 
 @pytest.fixture(scope="module")
-def client(llm):
+def core(llm):
     engine = AsyncEngine(llm.engine)
-    app = create_app(engine, model_name="smollm2")
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-    yield openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=http,
-                             max_retries=0)
+    yield ServingCore(engine, "smollm2")
     engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(core):
+    app = create_app(core)
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    return openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=http,
+                              max_retries=0)
 
 
 def run(coroutine):
@@ -339,3 +345,33 @@ def test_tokenize_detokenize(client):
     assert chat_tokens["token_strs"][0] == "<|im_start|>"
     assert text["prompt"] == "Hello world"
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_grpc_structured_outputs(core):
+    async def main():
+        server, port = await start_grpc_server(core, "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = orca_pb2_grpc.OrcaStub(channel)
+
+                def request(**params):
+                    return stub.Generate(orca_pb2.GenerateRequest(
+                        text="The year is", params=orca_pb2.SamplingParameters(
+                            max_tokens=12, temperature=0, **params)), timeout=60)
+
+                regex = await request(structured_outputs=orca_pb2.StructuredOutputs(
+                    regex=" [0-9]{4}\\."))
+                choice = await request(structured_outputs=orca_pb2.StructuredOutputs(
+                    choice=orca_pb2.Choices(values=[" now", " then"])), min_tokens=0,
+                    logit_bias={11: -100})
+                with pytest.raises(grpc.aio.AioRpcError) as bad:
+                    await request(structured_outputs=orca_pb2.StructuredOutputs(
+                        json='{"type": "frob"}'))
+        finally:
+            await server.stop(None)
+        return regex, choice, bad.value
+
+    regex, choice, bad = run(main())
+    assert re.fullmatch(r" [0-9]{4}\.", regex.completions[0].text)
+    assert choice.completions[0].text in (" now", " then")
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "frob" in bad.details()
