@@ -11,7 +11,6 @@ forward runs; the sampler waits for it and applies it with ``torch.ops.orca.appl
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -105,7 +104,6 @@ class StructuredOutputs:
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._executor: llguidance.LLExecutor | None = None
         self._pin = torch.cuda.is_available()
 
     def compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
@@ -138,16 +136,19 @@ class StructuredOutputs:
         """Start filling the masks of ``(sampled row, matcher)`` pairs in the worker thread."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="orca-grammar")
-            self._executor = llguidance.LLExecutor(num_threads=max(1, min(8, os.cpu_count() or 1)))
         rows = [row for row, _ in matchers]
         work = [matcher for _, matcher in matchers]
         return TokenBitmask(rows, self._pool.submit(self._fill, work))
 
     def _fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+        """One thread fills the masks one after another (each call without the GIL): on a few
+        cores, more threads would take them from the forward running meanwhile."""
         masks = torch.empty((len(matchers), self.words), dtype=torch.int32,
                             pin_memory=self._pin)
-        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
-                                               masks.data_ptr(), self.words * 4, len(matchers))
+        row_bytes = self.words * 4
+        base = masks.data_ptr()
+        for row, matcher in enumerate(matchers):
+            matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
         return masks
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
