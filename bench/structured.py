@@ -44,10 +44,10 @@ def percentile(values: list[float], q: float) -> float:
 def mask_times(structured, steps: int, seed: int) -> list[float]:
     """Seconds of each single-matcher fill along a random walk per schema."""
     rng = random.Random(seed)
-    mask = torch.empty((1, structured.words), dtype=torch.int32)
     times = []
     for _, schema in SCHEMAS:
         matcher = structured.compile(StructuredOutputsParams(json=schema))
+        mask = torch.empty((1, structured.words), dtype=torch.int32)
         for _ in range(steps):
             start = time.perf_counter()
             matcher.unsafe_compute_mask_ptr(mask.data_ptr(), structured.words * 4)

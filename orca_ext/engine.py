@@ -126,7 +126,7 @@ class Engine:
         self._next_id = itertools.count()
         self._lock = threading.Lock()
         self.activity = Activity()  # the dashboard's record; read it with activity_sample
-        self.structured = StructuredOutputs(tokenizer, vocab_size or 0, self.eos_token_ids)
+        self.structured = StructuredOutputs(tokenizer, vocab_size, self.eos_token_ids)
         self._num_constrained = 0  # unfinished sequences with a matcher
 
     def add_request(self, request_id: str, prompt: str | list[int],

@@ -91,14 +91,16 @@ class StructuredOutputs:
     """The grammar compiler and mask filler of one engine (one tokenizer and vocabulary).
 
     The llguidance tokenizer is built on first use from the engine's ``tokenizers`` tokenizer
-    (its JSON), with ``vocab_size`` tokens (the model's logits) and the engine's end-of-sequence
-    tokens, which a mask allows exactly where the grammar accepts the output as complete.
+    (its JSON), with ``vocab_size`` tokens (the model's logits; None: the tokenizer's) and the
+    engine's end-of-sequence tokens, which a mask allows exactly where the grammar accepts the
+    output as complete.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int | None,
+                 eos_token_ids: Iterable[int]) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.words = (vocab_size + 31) // 32
+        self.words = 0  # int32 words per mask, known once the tokenizer is built
         self._eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
@@ -161,6 +163,8 @@ class StructuredOutputs:
                 self._ll_tokenizer = llguidance.LLTokenizer(
                     inner.to_str(), n_vocab=self.vocab_size,
                     eos_token=self._eos_token_ids or None)
+                self.vocab_size = self._ll_tokenizer.vocab_size
+                self.words = (self.vocab_size + 31) // 32
             return self._ll_tokenizer
 
     def shutdown(self) -> None:

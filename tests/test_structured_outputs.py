@@ -169,6 +169,24 @@ def test_n_seeds_and_stop_strings(llm):
         stopped.outputs[0].text
 
 
+def test_preemption_keeps_grammars():
+    """Under the paged policy with a KV pool too small for the batch, sequences are preempted
+    and recomputed; their matchers carry on and every output still matches (orca-tiny: one
+    byte per token, so each output is exactly the pattern's 40 characters)."""
+    pattern = "[a-z]{30}[0-9]{10}"
+    tiny = LLM("orca-tiny", policy="paged", max_batch_size=8, kv_cache_tokens=128, block_size=8,
+               dtype="float32")
+    try:
+        outputs = tiny.generate([[65 + i] * 5 for i in range(8)], [SamplingParams(
+            temperature=1.0, seed=i, max_tokens=60, structured_outputs=StructuredOutputsParams(
+                regex=pattern)) for i in range(8)], use_tqdm=False)
+        assert tiny.engine.stats().num_preemptions > 0
+    finally:
+        tiny.shutdown()
+    for output in outputs:
+        assert re.fullmatch(pattern, output.outputs[0].text), output.outputs[0]
+
+
 def test_bad_specs_are_value_errors_before_admission(llm):
     for spec, message in [(StructuredOutputsParams(json={"type": "frob"}), "json"),
                           (StructuredOutputsParams(json="{not json"), "not valid JSON"),
