@@ -161,13 +161,15 @@ for d in glob.glob(os.path.join(p, '*')) if os.path.isdir(os.path.join(d, 'inclu
   if(_orca_cuda_ok)
     set(ORCA_EXT_HAS_CUDA ON)
     target_sources(_C PRIVATE
+      csrc/cuda/apply_token_bitmask.cpp
       csrc/cuda/attention_bf16.cu
       csrc/cuda/attention_fp16.cu
       csrc/cuda/kernels.cu
       csrc/cuda/packed_linear.cpp
       csrc/cuda/ragged_attention.cpp
       csrc/cuda/rms_norm.cpp
-      csrc/cuda/store_kv.cpp)
+      csrc/cuda/store_kv.cpp
+      csrc/cuda/token_bitmask.cu)
     # Toolkit headers first; the pip packages fill in what the toolkit lacks (cuBLAS etc.).
     target_include_directories(_C SYSTEM PRIVATE ${CUDAToolkit_INCLUDE_DIRS}
                                ${ORCA_NVIDIA_PIP_INCLUDE_DIRS})

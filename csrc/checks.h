@@ -284,4 +284,33 @@ inline LinearArgs check_linear_inputs(const at::Tensor& x, const at::Tensor& wei
                                      norm_weight, norm_bias, norm_eps)};
 }
 
+// apply_token_bitmask's inputs: logits [B, V] of a float dtype with contiguous rows, bitmask int32
+// [M, W] contiguous with W >= ceil(V / 32), and indices int64 [M] (else M == B), on one device.
+inline void check_token_bitmask_inputs(const at::Tensor& logits, const at::Tensor& bitmask,
+                                       const std::optional<at::Tensor>& indices) {
+  check_dim(logits, "logits", 2, "[B, vocab]");
+  check_float_dtype(logits, "logits");
+  TORCH_CHECK(logits.stride(1) == 1 || logits.size(1) <= 1,
+              "logits must have a contiguous last (vocab) dimension, got strides ",
+              c10::str(logits.strides()));
+  check_dim(bitmask, "bitmask", 2, "[num_masks, ceil(vocab / 32)]");
+  check_dtype(bitmask, "bitmask", at::kInt);
+  check_contiguous(bitmask, "bitmask");
+  check_same_device(bitmask, "bitmask", logits, "logits");
+  TORCH_CHECK(bitmask.size(1) * 32 >= logits.size(1), "bitmask has ", bitmask.size(1),
+              " words per row but logits has ", logits.size(1), " tokens: it needs at least ",
+              (logits.size(1) + 31) / 32);
+  if (indices) {
+    check_dim(*indices, "indices", 1, "[num_masks]");
+    check_dtype(*indices, "indices", at::kLong);
+    check_same_device(*indices, "indices", logits, "logits");
+    TORCH_CHECK(indices->size(0) == bitmask.size(0), "indices has ", indices->size(0),
+                " rows but bitmask has ", bitmask.size(0), "; they must match");
+  } else {
+    TORCH_CHECK(bitmask.size(0) == logits.size(0), "bitmask has ", bitmask.size(0),
+                " rows but logits has ", logits.size(0),
+                "; without indices they must match");
+  }
+}
+
 }  // namespace orca

@@ -21,6 +21,7 @@ TORCH_LIBRARY(orca, m) {
   m.def("ragged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_q_lens, "
         "Tensor context_lens, Tensor block_table, float scale, int window=0) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual=None) -> Tensor");
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor? indices=None) -> ()");
   // A model's decoder blocks prepared once for decode steps on the CPU (cpu/decoder_stack.h).
   m.class_<orca::DecoderStack>("DecoderStack")
       .def(torch::init<std::string, double, std::string, int64_t, int64_t, int64_t>(), "",

@@ -8,7 +8,7 @@ from .build import build_engine
 from .config import EngineConfig
 from .llm import LLM
 from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -19,4 +19,5 @@ def has_cuda() -> bool:
 
 
 __all__ = ["AsyncEngine", "CompletionOutput", "EngineConfig", "EngineDeadError", "LLM",
-           "RequestOutput", "SamplingParams", "__version__", "build_engine", "has_cuda", "ops"]
+           "RequestOutput", "SamplingParams", "StructuredOutputsParams", "__version__",
+           "build_engine", "has_cuda", "ops"]

@@ -1,4 +1,5 @@
-"""Plain data passed between the scheduler and the model executor (no tensors).
+"""Plain data passed between the scheduler and the model executor (no tensors but a batch's
+grammar masks).
 
 One engine step is ``Scheduler.schedule() -> SchedulerOutput``, ``executor.execute(output) ->
 RunnerOutput``, ``Scheduler.update(runner_output)``. A ``SchedulerOutput`` carries a new request's
@@ -9,8 +10,12 @@ the engine's internal integer ids; they are also the ids the C++ ``SlotAllocator
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .structured import TokenBitmask
 
 
 @dataclass
@@ -53,12 +58,15 @@ class ScheduledRequest:
 class SchedulerOutput:
     """One batch, self-contained for a runner that has applied the batches before it:
     ``finished_request_ids`` first (requests that ended, were aborted or preempted since the
-    last batch: the runner drops their state), then ``new_requests``, then ``requests``."""
+    last batch: the runner drops their state), then ``new_requests``, then ``requests``.
+    ``token_bitmask`` holds the grammar masks of the constrained sampled requests, if any (the
+    engine fills it in while the batch runs)."""
 
     batch_id: int
     requests: list[ScheduledRequest]
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_request_ids: list[int] = field(default_factory=list)
+    token_bitmask: TokenBitmask | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from .activity import Activity, ActivitySample
 from .batch import RunnerOutput, SchedulerOutput, TokenLogprobs
@@ -18,6 +19,9 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerStats
+from .structured import StructuredOutputs, TokenBitmask
+
+_log = logging.getLogger(__name__)
 
 
 class PromptError(ValueError):
@@ -71,6 +75,7 @@ class _Sequence:
     detokenizer: Detokenizer | None
     logprobs: list[dict[int, float]] | None
     cumulative_logprob: float | None
+    matcher: Any = None  # its llguidance matcher, when its output is constrained
 
 
 @dataclass(eq=False)
@@ -121,6 +126,8 @@ class Engine:
         self._next_id = itertools.count()
         self._lock = threading.Lock()
         self.activity = Activity()  # the dashboard's record; read it with activity_sample
+        self.structured = StructuredOutputs(tokenizer, vocab_size, self.eos_token_ids)
+        self._num_constrained = 0  # unfinished sequences with a matcher
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
@@ -130,6 +137,8 @@ class Engine:
         request only once it has finished."""
         prompt_text, prompt_ids = self.tokenize(prompt)
         params = self._check_params(params)
+        spec = params.structured_outputs
+        compiled = None if spec is None else self.structured.compile(spec)
         # vLLM's rule: prompt + output <= max_model_len, but always at least one new token.
         max_new = min(params.max_tokens, max(1, self.max_model_len - len(prompt_ids)))
         self.scheduler.check_fits(len(prompt_ids), max_new)
@@ -138,6 +147,8 @@ class Engine:
             stops |= self.eos_token_ids
         metrics = RequestMetrics(time.time() if arrival_time is None else arrival_time)
         group = _Group(request_id, prompt_text, prompt_ids, [], metrics, stream)
+        if params.min_tokens:  # the sampler masks every stop token, EOS included, until then
+            params = dataclasses.replace(params, stop_token_ids=sorted(stops))
         for i in range(params.n):
             child = params
             if params.n > 1:  # distinct seeds, else the n samples would be identical
@@ -147,15 +158,17 @@ class Engine:
             detokenizer = (None if self.tokenizer is None
                            else Detokenizer(self.tokenizer, prompt_ids, params.stop))
             wants_logprobs = params.logprobs is not None
-            group.sequences.append(_Sequence(request, group, detokenizer,
-                                             [] if wants_logprobs else None,
-                                             0.0 if wants_logprobs else None))
+            group.sequences.append(_Sequence(
+                request, group, detokenizer, [] if wants_logprobs else None,
+                0.0 if wants_logprobs else None,
+                None if compiled is None else compiled if i == 0 else compiled.deep_copy()))
         with self._lock:
             if request_id in self._groups:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
             self._groups[request_id] = group
             for i, seq in enumerate(group.sequences):
                 self._sequences[seq.request.request_id] = seq
+                self._num_constrained += seq.matcher is not None
                 self.scheduler.add_request(seq.request)
                 self.activity.arrived(seq.request.request_id,
                                       request_id if params.n == 1 else f"{request_id}/{i}",
@@ -172,12 +185,13 @@ class Engine:
             group.metrics.finish_time = time.time()
             for seq in group.sequences:
                 self.scheduler.abort(seq.request.request_id)
-                del self._sequences[seq.request.request_id]
+                self._forget(seq)
                 self.activity.ended(seq.request, group.metrics.finish_time)
             return self._output(group)
 
     def shutdown(self) -> None:
         """Release the executor's resources (a distributed executor stops its workers)."""
+        self.structured.shutdown()
         shutdown = getattr(self.executor, "shutdown", None)
         if shutdown is not None:
             shutdown()
@@ -192,6 +206,8 @@ class Engine:
         with self._lock:
             batches = []
             while (batch := self.scheduler.schedule()).requests:
+                if self._num_constrained:
+                    batch.token_bitmask = self._token_bitmask(batch)
                 batches.append(batch)
                 self.activity.launched(batch, started)
         for batch in batches:
@@ -261,6 +277,13 @@ class Engine:
         params = dataclasses.replace(params)  # re-validates (fields may have been changed); a copy
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer")
+        # The sampler indexes the logits with these ids.
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("stop_token_ids", params.stop_token_ids if params.min_tokens else ())):
+            outside = [t for t in ids if self.vocab_size is not None and t >= self.vocab_size]
+            if outside:
+                raise ValueError(f"{name}: token id {outside[0]} is outside the vocabulary "
+                                 f"(size {self.vocab_size})")
         return params
 
     def _process(self, result: RunnerOutput) -> list[RequestOutput]:
@@ -299,20 +322,51 @@ class Engine:
         group.metrics.finish_time = now
         del self._groups[group.request_id]
         for seq in group.sequences:
-            del self._sequences[seq.request.request_id]
+            self._forget(seq)
             self.activity.ended(seq.request, now)
         return self._output(group)
+
+    def _forget(self, seq: _Sequence) -> None:
+        del self._sequences[seq.request.request_id]
+        if seq.matcher is not None:
+            seq.matcher = None
+            self._num_constrained -= 1
+
+    def _token_bitmask(self, batch: SchedulerOutput) -> TokenBitmask | None:
+        """Start computing the masks of the batch's constrained sampled requests (the runner
+        samples the requests with ``sample`` set, in order)."""
+        matchers = []
+        sampled = (r.request_id for r in batch.requests if r.sample)
+        for row, request_id in enumerate(sampled):
+            matcher = self._sequences[request_id].matcher
+            if matcher is not None:
+                matchers.append((row, matcher))
+        return self.structured.bitmask(matchers) if matchers else None
+
+    def _advance_matcher(self, seq: _Sequence) -> None:
+        """Feed the sampled token to the sequence's matcher; end the sequence (its token kept
+        in the text) where the grammar is complete and can take no more."""
+        request = seq.request
+        matcher = seq.matcher
+        if not matcher.consume_token(request.output_token_ids[-1]):
+            _log.warning("request %s: its grammar refused a sampled token (%s); ending it",
+                         seq.group.request_id, matcher.get_error())
+        if not request.finished and matcher.is_stopped():
+            self.scheduler.finish(request, "stop")
 
     def _append(self, seq: _Sequence, token_id: int, logprobs: TokenLogprobs | None) -> None:
         request = seq.request
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append({token_id: logprobs.logprob, **logprobs.top})
             seq.cumulative_logprob += logprobs.logprob
+        if seq.matcher is not None and not request.finished:
+            self._advance_matcher(seq)
         detokenizer = seq.detokenizer
         if detokenizer is None:
             return
         stop = None
-        if request.finish_reason != "stop":  # a stop token is kept in token_ids, not in the text
+        # A stop token is kept in token_ids, not in the text.
+        if not (request.finish_reason == "stop" and request.stop_reason == token_id):
             stop = detokenizer.append(token_id)
         if stop is None and request.finished:
             stop = detokenizer.flush()

@@ -113,6 +113,21 @@ def _ragged_attention_fake(q, k_cache, v_cache, cu_q_lens, context_lens, block_t
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
+                        indices: torch.Tensor | None = None) -> None:
+    """In place: ``logits[r, t] = -inf`` wherever bit ``t % 32`` of ``bitmask[i, t // 32]`` is
+    clear, for ``logits [B, V]`` (float32, bfloat16 or float16), the int32 ``bitmask
+    [M, W]`` (``W >= ceil(V / 32)``; llguidance's and xgrammar's layout: bit set = token
+    allowed) and ``r = indices[i]`` (int64 ``[M]``), or ``r = i`` without ``indices`` (then
+    ``M == B``). Rows without a mask are not touched."""
+    torch.ops.orca.apply_token_bitmask(logits, bitmask, indices)
+
+
+@torch.library.register_fake("orca::apply_token_bitmask")
+def _apply_token_bitmask_fake(logits, bitmask, indices=None):
+    return None
+
+
 # The GGUF block formats quantized_linear and quantized_embedding read, by ggml's type names.
 QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K")
 

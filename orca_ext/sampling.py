@@ -4,7 +4,9 @@ Per row, in Hugging Face's order: repetition / presence / frequency penalties, t
 (exact argmax) or temperature -> top_k -> top_p -> min_p -> a draw. Each seeded request has its
 own ``torch.Generator``, seeded once and consuming one ``vocab``-sized draw per sampled token, so
 its stream does not depend on which requests share the batch. Logprobs are those of the model's
-distribution (``log_softmax`` of the raw logits, before penalties and temperature).
+distribution (``log_softmax`` of the raw logits, before penalties and temperature). Constrained
+requests' rows are masked first (``token_bitmask``: tokens their grammar does not allow get
+-inf), in place, by one ``apply_token_bitmask`` call; the other rows are not touched.
 """
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import torch
 
 from . import _C
 from .batch import TokenLogprobs
+from .ops import apply_token_bitmask
 from .sampling_params import SamplingParams
+from .structured import TokenBitmask
 
 
 class SampledRequest(Protocol):
@@ -75,6 +79,32 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[SampledRequest]) ->
             - column([p.presence_penalty for p in params]) * (counts > 0))
 
 
+def apply_bias_and_min_tokens(logits: torch.Tensor, requests: Sequence[SampledRequest]) -> None:
+    """In place: add each request's ``logit_bias``, and mask its stop tokens while it has fewer
+    than ``min_tokens`` outputs (the engine puts EOS among a min_tokens request's
+    ``stop_token_ids``)."""
+    bias_rows, bias_ids, biases, stop_rows, stop_ids = [], [], [], [], []
+    for row, request in enumerate(requests):
+        p = request.sampling_params
+        if p.logit_bias:
+            bias_rows += [row] * len(p.logit_bias)
+            bias_ids += p.logit_bias.keys()
+            biases += p.logit_bias.values()
+        if p.min_tokens and len(request.output_token_ids) < p.min_tokens:
+            stop_rows += [row] * len(p.stop_token_ids)
+            stop_ids += p.stop_token_ids
+    device = logits.device
+    if bias_rows:
+        logits.index_put_((torch.tensor(bias_rows, device=device),
+                           torch.tensor(bias_ids, device=device)),
+                          torch.tensor(biases, dtype=logits.dtype, device=device),
+                          accumulate=True)
+    if stop_rows:
+        logits.index_put_((torch.tensor(stop_rows, device=device),
+                           torch.tensor(stop_ids, device=device)),
+                          torch.tensor(float("-inf"), dtype=logits.dtype, device=device))
+
+
 def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Mask (to -inf) what top_k, top_p and min_p exclude, each only where some row uses it."""
     num_rows, vocab = logits.shape
@@ -111,9 +141,20 @@ class Sampler:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor,
-                 requests: Sequence[SampledRequest]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: Sequence[SampledRequest],
+                 token_bitmask: TokenBitmask | None = None) -> SamplerOutput:
         params = [r.sampling_params for r in requests]
+        raw_logits = logits
+        biased = any(p.logit_bias or p.min_tokens for p in params)
+        if token_bitmask is not None or biased:
+            if any(p.logprobs is not None for p in params):
+                logits = logits.clone()  # logprobs are of the model's own distribution
+            if biased:
+                apply_bias_and_min_tokens(logits, requests)
+            if token_bitmask is not None:
+                rows = torch.tensor(token_bitmask.rows, dtype=torch.int64, device=logits.device)
+                masks = token_bitmask.tensor().to(logits.device, non_blocking=True)
+                apply_token_bitmask(logits, masks, rows)
         if all(p.greedy and p.logprobs is None and not _has_penalty(p) for p in params):
             # The common decode case: one argmax (each torch call here costs microseconds
             # once a step's weight stream has evicted the caches), on the CPU a plain C++ loop.
@@ -134,7 +175,7 @@ class Sampler:
             is_greedy = torch.tensor(greedy, device=scores.device)
             tokens = torch.where(is_greedy, tokens, race.argmax(dim=-1))
         token_ids = tokens.tolist()
-        return SamplerOutput(token_ids, self._logprobs(logits, tokens, params))
+        return SamplerOutput(token_ids, self._logprobs(raw_logits, tokens, params))
 
     def _exponentials(self, probs: torch.Tensor, requests: Sequence[SampledRequest],
                       greedy: list[bool]) -> torch.Tensor:

@@ -3,6 +3,48 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's ``StructuredOutputsParams``): exactly one of a
+    JSON schema (a dict or its JSON text), any JSON object, a regular expression, one of a list
+    of strings, or a grammar (Lark, or llama.cpp's GBNF). JSON comes out compact (no whitespace
+    between tokens of the JSON syntax); compiling happens when the request is added
+    (``orca_ext.structured``), where a schema or grammar it cannot compile is a ValueError."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs: give exactly one of json, json_object, regex, "
+                             f"choice or grammar, got {given or 'none'}")
+        _check(self.json is None or isinstance(self.json, (dict, str)), "structured_outputs.json",
+               self.json, "a JSON schema (a dict or its JSON text)")
+        _check(isinstance(self.json_object, bool), "structured_outputs.json_object",
+               self.json_object, "a bool")
+        _check(self.regex is None or isinstance(self.regex, str), "structured_outputs.regex",
+               self.regex, "a string")
+        _check(self.choice is None or (isinstance(self.choice, (list, tuple)) and self.choice
+                                       and all(isinstance(c, str) for c in self.choice)),
+               "structured_outputs.choice", self.choice, "a non-empty list of strings")
+        _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip()),
+               "structured_outputs.grammar", self.grammar, "a non-empty Lark or GBNF grammar")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        """The one constraint given: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass
@@ -11,6 +53,8 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
     ``logprobs=None`` returns no logprobs, ``0`` the sampled token's, ``k`` also the top-k.
+    ``min_tokens``: no stop token (EOS included) before that many output tokens; ``logit_bias``
+    is added to the named tokens' logits before sampling (OpenAI's).
     Every field is validated at construction; a bad value raises ``ValueError`` naming it.
     """
 
@@ -28,6 +72,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,6 +106,16 @@ class SamplingParams:
                self.stop_token_ids, "a list of token ids >= 0")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                "logprobs", self.logprobs, "None or an integer in [0, 20]")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               "min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
+        _check(self.logit_bias is None
+               or (isinstance(self.logit_bias, dict)
+                   and all(_is_int(t) and t >= 0 and _is_real(b) and -100 <= b <= 100
+                           for t, b in self.logit_bias.items())),
+               "logit_bias", self.logit_bias, "a dict of token id (>= 0) -> bias in [-100, 100]")
+        _check(self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs, "None or StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:
@@ -75,4 +132,5 @@ def _is_real(value: object) -> bool:
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name} must be {expected}, got {value!r}")
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        raise ValueError(f"SamplingParams.{name} must be {expected}, got {shown}")

@@ -16,6 +16,7 @@ from server_helpers import server  # noqa: E402,F401  (the shared server fixture
 MODEL = "orca-tiny"
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 def ok(**kw):
@@ -60,7 +61,20 @@ BAD = [
     ("POST", CMPL, ok(ignore_eos="yes"), 400, "ignore_eos"),
     ("POST", CMPL, ok(stream="true"), 400, "stream"),
     ("POST", CMPL, ok(stream_options={"include_usage": True}), 400, "stream_options"),
-    ("POST", CMPL, ok(logit_bias={"1": 5}), 400, "logit_bias"),
+    ("POST", CMPL, ok(logit_bias={"abc": 5}), 400, "logit_bias"),
+    ("POST", CMPL, ok(logit_bias={"1": 500}), 400, "logit_bias"),
+    ("POST", CMPL, ok(logit_bias={"999999": 1}), 400, "logit_bias"),  # outside the vocabulary
+    ("POST", CMPL, ok(min_tokens=5), 400, "min_tokens"),  # more than max_tokens
+    ("POST", CMPL, ok(structured_outputs={"json": {"type": "frob"}}), 400, "structured_outputs"),
+    ("POST", CMPL, ok(structured_outputs={"regex": "(a"}), 400, "structured_outputs"),
+    ("POST", CMPL, ok(structured_outputs={"grammar": "start: foo"}), 400, "structured_outputs"),
+    ("POST", CMPL, ok(structured_outputs={"grammar": "root ::= foo"}), 400,
+     "structured_outputs"),
+    ("POST", CMPL, ok(structured_outputs={"regex": "a", "choice": ["a"]}), 400,
+     "structured_outputs"),
+    ("POST", CMPL, ok(structured_outputs={"choice": []}), 400, "structured_outputs"),
+    ("POST", CMPL, ok(structured_outputs={"xml": "a"}), 400, "structured_outputs"),
+    ("POST", CMPL, ok(response_format={"type": "xml"}), 400, "response_format"),
     ("POST", CMPL, ok(model="gpt-9"), 400, "model"),  # unknown model
     ("POST", CMPL, {"prompt": "x" * (1 << 20 | 1)}, 413, None),  # body over 1 MiB
     ("POST", CHAT, {"model": MODEL}, 400, "messages"),
@@ -71,6 +85,18 @@ BAD = [
     ("POST", CHAT, {"messages": MSGS, "max_completion_tokens": 5000}, 400,
      "max_completion_tokens"),
     ("POST", CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("POST", CHAT, {"messages": MSGS, "tools": [TOOL, TOOL]}, 400, "tools"),
+    ("POST", CHAT, {"messages": MSGS, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "frob"}}}], "tool_choice": "required"}, 400, "tools"),
+    ("POST", CHAT, {"messages": MSGS, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}, 400, "tool_choice"),
+    ("POST", CHAT, {"messages": MSGS, "tool_choice": "required"}, 400, "tool_choice"),
+    ("POST", CHAT, {"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"minimum": "x"}}}}}},
+     400, "response_format"),
+    ("POST", CHAT, {"messages": MSGS, "response_format": {"type": "json_schema",
+                                                          "json_schema": "x"}},
+     400, "response_format"),
     ("POST", CHAT, {"messages": MSGS, "model": "nope"}, 400, "model"),
     ("GET", CMPL, None, 405, None),
     ("POST", "/v1/nowhere", {}, 404, None),

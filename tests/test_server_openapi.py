@@ -58,7 +58,7 @@ def api_schema(app):
 
 
 OPERATIONS = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", CMPL),
-              ("POST", CHAT)]
+              ("POST", CHAT), ("POST", "/tokenize"), ("POST", "/detokenize")]
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance]
 

@@ -131,7 +131,7 @@ class Worker:
         if inputs.sampled:
             logits = runner.logits(inputs, hidden)  # every TP rank: the vocab slices gather
             if self.leader:
-                runner.sample(inputs, logits, output)
+                runner.sample(inputs, logits, output, batch.token_bitmask)
         if self.leader:
             self.ctrl_out.send(output)
 

@@ -10,6 +10,7 @@ from ..batch import RunnerOutput, SchedulerOutput
 from ..kv import KVCache
 from ..model.layers import AttentionMetadata
 from ..sampling import Sampler
+from ..structured import TokenBitmask
 from .cuda_graphs import DecodeGraphs, PinnedUpload, cuda_graphs_enabled
 from .decoder_stack import build_decoder_stack, stack_forward, tp_group, unsupported_reason
 from .inputs import InputBatch, StepInputs
@@ -102,9 +103,9 @@ class ModelRunner:
         """float32 logits of the sampled rows."""
         return self.model.compute_logits(hidden, inputs.sample_rows)
 
-    def sample(self, inputs: StepInputs, logits: torch.Tensor,
-               output: RunnerOutput) -> RunnerOutput:
-        result = self.sampler(logits, inputs.sampled)
+    def sample(self, inputs: StepInputs, logits: torch.Tensor, output: RunnerOutput,
+               token_bitmask: TokenBitmask | None = None) -> RunnerOutput:
+        result = self.sampler(logits, inputs.sampled, token_bitmask)
         output.sampled_token_ids, output.logprobs = result.token_ids, result.logprobs
         return output
 
@@ -138,7 +139,7 @@ class ModelRunner:
             if not inputs.sampled:
                 return output  # a prompt chunk: KV only
             logits = self.logits(inputs, hidden)
-        return self.sample(inputs, logits, output)
+        return self.sample(inputs, logits, output, scheduler_output.token_bitmask)
 
     def _logits_of(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    meta: AttentionMetadata, indices: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -95,7 +96,14 @@ class ChatTemplate:
         return cls(engine.chat_template if source is None else source,
                    bos_token=token(engine.bos_token_id), eos_token=token(engine.eos_token_id))
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the template renders ``tools`` itself (as Hugging Face's tool-calling
+        templates do)."""
+        return self.source is not None and re.search(r"\btools\b", self.source) is not None
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
         from jinja2 import TemplateError
 
         if self._template is None:
@@ -103,7 +111,7 @@ class ChatTemplate:
         try:
             return self._template.render(messages=messages,
                                          add_generation_prompt=add_generation_prompt,
-                                         tools=None, **self._specials)
+                                         tools=tools, **self._specials)
         except ChatTemplateError:
             raise
         except (TemplateError, TypeError, KeyError, IndexError, ValueError) as exc:

@@ -114,13 +114,26 @@ class ServingCore:
                 "context_length_exceeded")
         return requested
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         try:
-            return self.chat_template.render(messages, add_generation_prompt)
+            return self.chat_template.render(messages, add_generation_prompt, tools)
         except ChatTemplateError as exc:
             raise APIError.bad_request(str(exc), "messages") from None
         except NoChatTemplateError as exc:
             raise APIError.bad_request(str(exc), code="no_chat_template") from None
+
+    async def compile_structured(self, params: SamplingParams, param: str) -> None:
+        """Compile the request's grammar in a worker thread (the engine caches it, so adding
+        the request does not compile again); one that does not compile is a 400 naming
+        ``param``."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.engine.structured.compile, spec)
+        except ValueError as exc:
+            raise APIError.bad_request(str(exc), param) from None
 
     # --- running -----------------------------------------------------------------------------
 

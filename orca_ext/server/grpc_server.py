@@ -10,6 +10,7 @@ import grpc
 
 from ..async_engine import AsyncEngine
 from ..outputs import CompletionOutput, RequestOutput
+from ..sampling_params import StructuredOutputsParams
 from . import orca_pb2, orca_pb2_grpc
 from .core import ServingCore
 from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, APIError, TokenText, sampling_params
@@ -104,8 +105,14 @@ class OrcaServicer(orca_pb2_grpc.OrcaServicer):
         # ListFields: the fields the client set (proto3 leaves no other trace); SamplingParameters
         # names its fields as SamplingParams does.
         given = {field.name: list(value) if field.is_repeated else value
-                 for field, value in p.ListFields() if field.name != "max_tokens"}
+                 for field, value in p.ListFields()
+                 if field.name not in ("max_tokens", "structured_outputs", "logit_bias")}
+        if p.logit_bias:
+            given["logit_bias"] = dict(p.logit_bias)
+        if p.HasField("structured_outputs"):
+            given["structured_outputs"] = _structured(p.structured_outputs)
         params = sampling_params({**given, "max_tokens": max_tokens})
+        await core.compile_structured(params, "structured_outputs")
         request_id = request.request_id or core.new_request_id("grpc")
         return await core.start(prompt_ids, params, request_id), request_id
 
@@ -135,6 +142,20 @@ class OrcaServicer(orca_pb2_grpc.OrcaServicer):
     def _logprob(self, token_id: int, logprob: float) -> orca_pb2.Logprob:
         return orca_pb2.Logprob(token_id=token_id, logprob=logprob,
                                 token=self.token_text(token_id))
+
+
+def _structured(message: orca_pb2.StructuredOutputs) -> StructuredOutputsParams:
+    """The message's one constraint as StructuredOutputsParams; 400 if it sets none."""
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise APIError.bad_request("structured_outputs: set one of json, json_object, regex, "
+                                   "choice or grammar", "structured_outputs")
+    value = getattr(message, kind)
+    try:
+        return StructuredOutputsParams(**{kind: list(value.values) if kind == "choice"
+                                          else value})
+    except ValueError as exc:
+        raise APIError.bad_request(str(exc), "structured_outputs") from None
 
 
 def _usage(output: RequestOutput) -> orca_pb2.Usage:

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI): ``create_app(engine, ...)``.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /tokenize and POST /detokenize
+(vLLM's), GET /v1/models, GET /health,
 GET /metrics, and their OpenAPI document at GET /openapi.json; and pages for people (``web``):
 the chat at GET /, the live engine dashboard at GET /dashboard. The POST bodies are declared as
 the request models of ``protocol``, from which FastAPI documents them, but read and parsed here
@@ -11,6 +12,7 @@ waits, runs, or streams -- aborts the request in the engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -25,10 +27,11 @@ from .core import Generation, ServingCore
 from .metrics import CONTENT_TYPE
 from .protocol import (
     APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-    CompletionResponse, ErrorResponse, Health, ModelList, TokenText, chat_logprobs,
-    chat_response, completion_logprobs, completion_response, finish_fields, now, parse_body,
-    usage_of,
+    CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse, Health, ModelList,
+    TokenizeRequest, TokenizeResponse, TokenText, chat_logprobs, chat_response,
+    completion_logprobs, completion_response, finish_fields, now, parse_body, usage_of,
 )
+from .tools import ToolSetup, conversation, tool_setup
 from .web import add_web_routes
 
 T = TypeVar("T")
@@ -93,6 +96,7 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
         prompt_ids = [await core.tokenize_async(p) for p in texts]
         max_tokens = core.max_new_tokens(prompt_ids, body.max_tokens)
         params = body.sampling_params(max_tokens, body.logprobs)
+        await core.compile_structured(params, body.structured_param)
         echoes = [(p if isinstance(p, str) else _decode(core, p)) if body.echo else ""
                   for p in texts]
         request_id = core.new_request_id("cmpl")
@@ -116,28 +120,75 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         body.check()
         core.check_model(body.model)
-        messages = [{"role": m.role, "content": m.text(),
-                     **({"name": m.name} if m.name else {})} for m in body.messages]
-        text = core.render_chat(messages, body.add_generation_prompt)
+        tools = tool_setup(body.tools, body.tool_choice, body.parallel_tool_calls)
+        messages, template_tools = conversation([m.for_template() for m in body.messages],
+                                                tools, core.chat_template.uses_tools)
+        text = core.render_chat(messages, body.add_generation_prompt, template_tools)
         prompt_ids = [await core.tokenize_async(text, "messages", add_special_tokens=False)]
         max_tokens = core.max_new_tokens(prompt_ids, body.requested_max_tokens,
                                          "max_completion_tokens"
                                          if body.max_completion_tokens is not None
                                          else "max_tokens")
         params = body.sampling_params(max_tokens, body.num_logprobs)
+        structured_param = body.structured_param
+        if tools is not None and tools.forced:
+            if params.structured_outputs is not None:
+                raise APIError.bad_request(f"tool_choice {tools.choice!r} cannot be combined "
+                                           f"with {structured_param}", "tool_choice")
+            params = dataclasses.replace(params, structured_outputs=tools.structured_outputs())
+            structured_param = "tools"
+        await core.compile_structured(params, structured_param)
         request_id = core.new_request_id("chatcmpl")
         generation = await _race(request, core.start(prompt_ids, params, request_id))
         if body.stream:
             return _SSEResponse(_chat_chunks(generation, body, params.n, request_id,
-                                             core.model_name, token_text), generation)
+                                             core.model_name, token_text, tools), generation)
         (output,) = await _race(request, generation.final())
-        choices = [{
-            "index": c.index, "message": {"role": "assistant", "content": c.text},
-            "logprobs": None if c.logprobs is None else chat_logprobs(
-                c.token_ids, c.logprobs, token_text, body.top_logprobs or 0),
-            **finish_fields(c)} for c in output.outputs]
+        choices = []
+        for c in output.outputs:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish = finish_fields(c)
+            if tools is not None:
+                content, calls = tools.parse(c.text)
+                if calls:
+                    message = {"role": "assistant", "content": content,
+                               "tool_calls": [call.openai() for call in calls]}
+                    finish["finish_reason"] = _tool_calls_finish(c.finish_reason)
+            choices.append({
+                "index": c.index, "message": message,
+                "logprobs": None if c.logprobs is None else chat_logprobs(
+                    c.token_ids, c.logprobs, token_text, body.top_logprobs or 0),
+                **finish})
         return JSONResponse(chat_response(request_id, core.model_name, now(), choices,
                                           usage_of([output])))
+
+    async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+        body.check()
+        core.check_model(body.model)
+        if body.messages is not None:
+            messages, _ = conversation([m.for_template() for m in body.messages], None,
+                                       core.chat_template.uses_tools)
+            text = core.render_chat(messages, body.add_generation_prompt)
+            ids = await core.tokenize_async(text, "messages", bool(body.add_special_tokens))
+        else:
+            ids = await core.tokenize_async(body.prompt, "prompt",
+                                            body.add_special_tokens is not False)
+        reply: dict[str, Any] = {"count": len(ids), "max_model_len": core.max_model_len,
+                                 "tokens": ids}
+        if body.return_token_strs:
+            reply["token_strs"] = [token_text(t) for t in ids]
+        return JSONResponse(reply)
+
+    async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+        core.check_model(body.model)
+        if core.tokenizer is None:
+            raise APIError.bad_request("this model has no tokenizer", "tokens")
+        vocab = core.engine.engine.vocab_size
+        bad = [t for t in body.tokens if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise APIError.bad_request(f"tokens: token id {bad[0]} is outside the vocabulary "
+                                       f"(size {vocab})", "tokens")
+        return JSONResponse({"prompt": core.tokenizer.decode(body.tokens)})
 
     for path, endpoint, response in (("/v1/completions", completions, CompletionResponse),
                                      ("/v1/chat/completions", chat_completions,
@@ -145,6 +196,11 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
         app.router.add_api_route(path, endpoint, methods=["POST"], response_model=None,
                                  responses=_documented(response, *_GENERATION_ERRORS,
                                                        streams=True),
+                                 route_class_override=_BodyRoute)
+    for path, endpoint, response in (("/tokenize", tokenize, TokenizeResponse),
+                                     ("/detokenize", detokenize, DetokenizeResponse)):
+        app.router.add_api_route(path, endpoint, methods=["POST"], response_model=None,
+                                 responses=_documented(response, 400, 401, 413),
                                  route_class_override=_BodyRoute)
     add_web_routes(app, core)
     app.add_middleware(_CountRequests, core=core)
@@ -358,8 +414,11 @@ async def _completion_chunks(generation: Generation, body: CompletionRequest, n:
 
 
 async def _chat_chunks(generation: Generation, body: ChatCompletionRequest, n: int,
-                       request_id: str, model: str,
-                       token_text: TokenText) -> AsyncIterator[dict[str, Any]]:
+                       request_id: str, model: str, token_text: TokenText,
+                       tools: ToolSetup | None) -> AsyncIterator[dict[str, Any]]:
+    """Chat chunks: the role, then content deltas; with tools, text that may still turn out to
+    be a tool call is held back, and a finished reply's calls go out as tool-call deltas (each
+    call whole) before the chunk with ``finish_reason`` "tool_calls"."""
     created = now()
     cursors: dict[int, _Cursor] = {}
     extra = {"usage": None} if body.include_usage else {}
@@ -377,16 +436,32 @@ async def _chat_chunks(generation: Generation, body: ChatCompletionRequest, n: i
                 cursor = cursors.setdefault(c.index, _Cursor())
                 if cursor.done:
                     continue
-                text, ids = c.text[cursor.text:], c.token_ids[cursor.tokens:]
+                calls = []
+                if tools is not None and c.finish_reason is not None:
+                    _, calls = tools.parse(c.text)
+                shown = c.text
+                if tools is not None and (c.finish_reason is None or calls):
+                    shown = c.text[:len(c.text) - tools.held_back(c.text)]
+                text, ids = shown[cursor.text:], c.token_ids[cursor.tokens:]
                 if not (text or c.finish_reason or (ids and c.logprobs is not None)):
                     continue
+                finish = finish_fields(c)
+                if calls:
+                    if text:
+                        yield chunk({"index": c.index, "delta": {"content": text},
+                                     "logprobs": None, "finish_reason": None})
+                    text = ""
+                    yield chunk({"index": c.index, "delta": {"tool_calls": [
+                        call.openai(i) for i, call in enumerate(calls)]},
+                        "logprobs": None, "finish_reason": None})
+                    finish["finish_reason"] = _tool_calls_finish(c.finish_reason)
                 delta = {"content": text} if text or not c.finish_reason else {}
                 choice = {
                     "index": c.index, "delta": delta,
                     "logprobs": None if c.logprobs is None else chat_logprobs(
                         ids, c.logprobs[cursor.tokens:], token_text, body.top_logprobs or 0),
-                    **finish_fields(c)}
-                cursor.text, cursor.tokens = len(c.text), len(c.token_ids)
+                    **finish}
+                cursor.text, cursor.tokens = len(shown), len(c.token_ids)
                 cursor.done = c.finish_reason is not None
                 yield chunk(choice)
         if body.include_usage:
@@ -396,3 +471,8 @@ async def _chat_chunks(generation: Generation, body: ChatCompletionRequest, n: i
                    "usage": usage_of([output])}
     finally:
         await generation.aclose()
+
+
+def _tool_calls_finish(finish_reason: str | None) -> str | None:
+    """A reply that called tools ends with "tool_calls" unless it was cut short."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason

@@ -24,33 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aorca_ext/server/orca.proto\x12\x07orca.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf2\x03\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x11\n\x04seed\x18\x0b \x01(\x03H\x08\x88\x01\x01\x12\x0e\n\x01n\x18\x0c \x01(\rH\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\n\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobs\"\xa3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12&\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x11.orca.v1.TokenIdsH\x00\x12+\n\x06params\x18\x05 \x01(\x0b\x32\x1b.orca.v1.SamplingParametersB\x08\n\x06prompt\";\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"Q\n\rTokenLogprobs\x12!\n\x07sampled\x18\x01 \x01(\x0b\x32\x10.orca.v1.Logprob\x12\x1d\n\x03top\x18\x02 \x03(\x0b\x32\x10.orca.v1.Logprob\"\xf4\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x17\n\rstop_token_id\x18\x05 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12(\n\x08logprobs\x18\x07 \x03(\x0b\x32\x16.orca.v1.TokenLogprobs\x12\x1f\n\x12\x63umulative_logprob\x18\x08 \x01(\x01H\x01\x88\x01\x01\x42\r\n\x0bstop_reasonB\x15\n\x13_cumulative_logprob\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\x90\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12(\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x13.orca.v1.Completion\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x1d\n\x05usage\x18\x05 \x01(\x0b\x32\x0e.orca.v1.Usage\"\x0f\n\rHealthRequest\"0\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t2\xcb\x01\n\x04Orca\x12?\n\x08Generate\x12\x18.orca.v1.GenerateRequest\x1a\x19.orca.v1.GenerateResponse\x12G\n\x0eGenerateStream\x12\x18.orca.v1.GenerateRequest\x1a\x19.orca.v1.GenerateResponse0\x01\x12\x39\n\x06Health\x12\x16.orca.v1.HealthRequest\x1a\x17.orca.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aorca_ext/server/orca.proto\x12\x07orca.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc4\x05\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x11\n\x04seed\x18\x0b \x01(\x03H\x08\x88\x01\x01\x12\x0e\n\x01n\x18\x0c \x01(\rH\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\n\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x36\n\x12structured_outputs\x18\x0f \x01(\x0b\x32\x1a.orca.v1.StructuredOutputs\x12\x17\n\nmin_tokens\x18\x10 \x01(\rH\x0b\x88\x01\x01\x12>\n\nlogit_bias\x18\x11 \x03(\x0b\x32*.orca.v1.SamplingParameters.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\r\n\x0b_min_tokens\"\x8a\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\"\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x10.orca.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xa3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12&\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x11.orca.v1.TokenIdsH\x00\x12+\n\x06params\x18\x05 \x01(\x0b\x32\x1b.orca.v1.SamplingParametersB\x08\n\x06prompt\";\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"Q\n\rTokenLogprobs\x12!\n\x07sampled\x18\x01 \x01(\x0b\x32\x10.orca.v1.Logprob\x12\x1d\n\x03top\x18\x02 \x03(\x0b\x32\x10.orca.v1.Logprob\"\xf4\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x17\n\rstop_token_id\x18\x05 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12(\n\x08logprobs\x18\x07 \x03(\x0b\x32\x16.orca.v1.TokenLogprobs\x12\x1f\n\x12\x63umulative_logprob\x18\x08 \x01(\x01H\x01\x88\x01\x01\x42\r\n\x0bstop_reasonB\x15\n\x13_cumulative_logprob\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\x90\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12(\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x13.orca.v1.Completion\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x1d\n\x05usage\x18\x05 \x01(\x0b\x32\x0e.orca.v1.Usage\"\x0f\n\rHealthRequest\"0\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t2\xcb\x01\n\x04Orca\x12?\n\x08Generate\x12\x18.orca.v1.GenerateRequest\x1a\x19.orca.v1.GenerateResponse\x12G\n\x0eGenerateStream\x12\x18.orca.v1.GenerateRequest\x1a\x19.orca.v1.GenerateResponse0\x01\x12\x39\n\x06Health\x12\x16.orca.v1.HealthRequest\x1a\x17.orca.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'orca_ext.server.orca_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIDS']._serialized_start=39
   _globals['_TOKENIDS']._serialized_end=62
   _globals['_SAMPLINGPARAMETERS']._serialized_start=65
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=563
-  _globals['_GENERATEREQUEST']._serialized_start=566
-  _globals['_GENERATEREQUEST']._serialized_end=729
-  _globals['_LOGPROB']._serialized_start=731
-  _globals['_LOGPROB']._serialized_end=790
-  _globals['_TOKENLOGPROBS']._serialized_start=792
-  _globals['_TOKENLOGPROBS']._serialized_end=873
-  _globals['_COMPLETION']._serialized_start=876
-  _globals['_COMPLETION']._serialized_end=1120
-  _globals['_USAGE']._serialized_start=1122
-  _globals['_USAGE']._serialized_end=1224
-  _globals['_GENERATERESPONSE']._serialized_start=1227
-  _globals['_GENERATERESPONSE']._serialized_end=1371
-  _globals['_HEALTHREQUEST']._serialized_start=1373
-  _globals['_HEALTHREQUEST']._serialized_end=1388
-  _globals['_HEALTHRESPONSE']._serialized_start=1390
-  _globals['_HEALTHRESPONSE']._serialized_end=1438
-  _globals['_ORCA']._serialized_start=1441
-  _globals['_ORCA']._serialized_end=1644
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=773
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=555
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=603
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=776
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=914
+  _globals['_CHOICES']._serialized_start=916
+  _globals['_CHOICES']._serialized_end=941
+  _globals['_GENERATEREQUEST']._serialized_start=944
+  _globals['_GENERATEREQUEST']._serialized_end=1107
+  _globals['_LOGPROB']._serialized_start=1109
+  _globals['_LOGPROB']._serialized_end=1168
+  _globals['_TOKENLOGPROBS']._serialized_start=1170
+  _globals['_TOKENLOGPROBS']._serialized_end=1251
+  _globals['_COMPLETION']._serialized_start=1254
+  _globals['_COMPLETION']._serialized_end=1498
+  _globals['_USAGE']._serialized_start=1500
+  _globals['_USAGE']._serialized_end=1602
+  _globals['_GENERATERESPONSE']._serialized_start=1605
+  _globals['_GENERATERESPONSE']._serialized_end=1749
+  _globals['_HEALTHREQUEST']._serialized_start=1751
+  _globals['_HEALTHREQUEST']._serialized_end=1766
+  _globals['_HEALTHRESPONSE']._serialized_start=1768
+  _globals['_HEALTHRESPONSE']._serialized_end=1816
+  _globals['_ORCA']._serialized_start=1819
+  _globals['_ORCA']._serialized_end=2022
 # @@protoc_insertion_point(module_scope)

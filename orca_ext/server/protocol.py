@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import from_json
 
 from ..outputs import CompletionOutput, RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import STRUCTURED_KINDS, SamplingParams, StructuredOutputsParams
 
 # OpenAI's default for /v1/completions; chat defaults to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -133,12 +133,12 @@ class _SamplingFields(_Request):
     ignore_eos: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias
+    min_tokens: int | None = None
+    response_format: dict[str, Any] | None = None  # OpenAI's
+    structured_outputs: dict[str, Any] | None = None  # vLLM's
 
     def check(self) -> None:
-        if self.logit_bias:
-            raise APIError.bad_request("logit_bias is not supported", "logit_bias",
-                                       "unsupported_parameter")
         if self.stream_options is not None and not self.stream:
             raise APIError.bad_request("stream_options is only allowed with stream=true",
                                        "stream_options")
@@ -147,15 +147,76 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def structured_param(self) -> str:
+        """The field that constrains the output (named in errors)."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """``structured_outputs`` (vLLM's fields) or ``response_format`` (OpenAI's) as
+        StructuredOutputsParams; None for free text."""
+        fields = self.structured_outputs
+        fmt = self.response_format
+        if fields is not None and fmt is not None and fmt.get("type") != "text":
+            raise APIError.bad_request("give response_format or structured_outputs, not both",
+                                       "structured_outputs")
+        if fields is not None:
+            unknown = sorted(set(fields) - set(STRUCTURED_KINDS))
+            if unknown:
+                raise APIError.bad_request(f"structured_outputs.{unknown[0]}: unknown field "
+                                           f"(known: {', '.join(STRUCTURED_KINDS)})",
+                                           "structured_outputs")
+            return _structured({k: v for k, v in fields.items() if v is not None},
+                               "structured_outputs")
+        if fmt is None:
+            return None
+        kind = fmt.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return _structured({"json_object": True}, "response_format")
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise APIError.bad_request(
+                    "response_format.json_schema must be an object with a name and a schema "
+                    f"(a JSON schema object), got {_short(spec)}", "response_format")
+            return _structured({"json": spec.get("schema") or {"type": "object"}},
+                               "response_format")
+        raise APIError.bad_request(
+            "response_format.type must be \"text\", \"json_object\" or \"json_schema\", got "
+            f"{_short(kind)}", "response_format")
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         given = {name: value for name in _PASSED_TO_SAMPLING_PARAMS
                  if (value := getattr(self, name)) is not None}
+        structured = self.structured_outputs_params()
+        if structured is not None:
+            given["structured_outputs"] = structured
+        if self.logit_bias:
+            given["logit_bias"] = self._logit_bias()
         return sampling_params({**given, "max_tokens": max_tokens, "logprobs": logprobs})
+
+    def _logit_bias(self) -> dict[int, float]:
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            bad = next(t for t in self.logit_bias if not t.strip().lstrip("-").isdigit())
+            raise APIError.bad_request(f"logit_bias: keys must be token ids, got {bad!r}",
+                                       "logit_bias") from None
+
+
+def _structured(fields: dict[str, Any], param: str) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as exc:
+        raise APIError.bad_request(str(exc), param) from None
 
 
 # (max_tokens and logprobs mean something else per endpoint: the handlers work them out.)
 _PASSED_TO_SAMPLING_PARAMS = tuple(f.name for f in dataclasses.fields(SamplingParams)
-                                   if f.name in _SamplingFields.model_fields)
+                                   if f.name in _SamplingFields.model_fields
+                                   and f.name != "structured_outputs")
 
 
 def sampling_params(fields: dict[str, Any]) -> SamplingParams:
@@ -218,11 +279,20 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it (the content as text)."""
+        optional = {"name": self.name, "tool_calls": self.tool_calls,
+                    "tool_call_id": self.tool_call_id}
+        return {"role": self.role, "content": self.text(),
+                **{key: value for key, value in optional.items() if value}}
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -234,21 +304,12 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # OpenAI's {"type": "function", "function"}
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         super().check()
-        if self.tools:
-            raise APIError.bad_request("tools are not supported", "tools",
-                                       "unsupported_parameter")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise APIError.bad_request("tool_choice is not supported", "tool_choice",
-                                       "unsupported_parameter")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise APIError.bad_request("only response_format {\"type\": \"text\"} is supported",
-                                       "response_format", "unsupported_parameter")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError.bad_request("top_logprobs needs logprobs=true", "top_logprobs")
 
@@ -262,6 +323,29 @@ class ChatCompletionRequest(_SamplingFields):
         if not self.logprobs:
             return None
         return 0 if self.top_logprobs is None else self.top_logprobs
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize (vLLM's): a ``prompt``, or chat ``messages`` rendered with the chat
+    template first."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError.bad_request("give either prompt or messages", "prompt")
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize (vLLM's)."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,7 +375,7 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class CompletionLogprobs(BaseModel):
@@ -336,9 +420,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallModel(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallModel] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -360,6 +456,17 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

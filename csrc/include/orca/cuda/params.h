@@ -151,6 +151,19 @@ struct StoreKvParams {
 };
 cudaError_t launch_store_kv(const StoreKvParams& p, cudaStream_t stream);
 
+// ---- apply_token_bitmask -----------------------------------------------------------------------
+
+// logits[rows[i], t] = -inf wherever bit t % 32 of bitmask[i, t / 32] is clear (t < vocab).
+struct TokenBitmaskParams {
+  void* logits;                 // [B, vocab], last dim contiguous
+  const int32_t* bitmask;       // [num_masks, words] contiguous
+  const int64_t* rows;          // [num_masks] logits row of each mask, or null: row i
+  int64_t num_masks, num_rows, vocab, words, logits_row_stride;  // stride in elements
+  int32_t element_bytes;        // 4 (float32) or 2 (bfloat16, float16)
+  uint32_t neg_inf_bits;        // -inf's bit pattern in the logits' dtype
+};
+cudaError_t launch_apply_token_bitmask(const TokenBitmaskParams& p, cudaStream_t stream);
+
 // ---- packed_linear epilogues -------------------------------------------------------------------
 
 enum class Act { kNone = 0, kGeluTanh = 1, kRelu = 2, kSiluAndMul = 3, kGeluTanhAndMul = 4 };
