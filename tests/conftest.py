@@ -23,3 +23,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def hf_model(gguf_path):
+    """transformers' own float32 load of the test module's ``gguf_path`` fixture (a real GGUF
+    file): the reference for our load of the same file."""
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32).eval()

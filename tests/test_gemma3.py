@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from test_decoder_stack import run_both
 from test_model import check_packed_logits
 
@@ -37,12 +36,6 @@ LONG_SCHEDULE = [
 @pytest.fixture(scope="module")
 def gguf_path():
     return builtin_gguf_path(MODEL)
-
-
-@pytest.fixture(scope="module")
-def hf_model(gguf_path):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

@@ -32,12 +32,6 @@ def gguf_path():
 
 
 @pytest.fixture(scope="module")
-def hf_model(gguf_path):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def hf_tokenizer(gguf_path):
     return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent),
                                                       gguf_file=gguf_path.name)
