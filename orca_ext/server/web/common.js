@@ -7,9 +7,22 @@ export function apiKey() {
   return localStorage.getItem(KEY_STORE) || "";
 }
 
-// Ask for the key in the page's <dialog id="key-dialog">; resolves once it is entered.
+// The key's <dialog id="key-dialog">, added to the page the first time it is needed.
+function keyDialog() {
+  let dialog = document.getElementById("key-dialog");
+  if (dialog) return dialog;
+  dialog = document.createElement("dialog");
+  dialog.id = "key-dialog";
+  dialog.innerHTML = `<form><p class="key-message"></p>
+    <input type="password" autocomplete="off" placeholder="API key" aria-label="API key">
+    <button type="submit">Use this key</button></form>`;
+  document.body.append(dialog);
+  return dialog;
+}
+
+// Ask for the key in the key dialog; resolves once it is entered.
 export function askKey(message) {
-  const dialog = document.getElementById("key-dialog");
+  const dialog = keyDialog();
   const input = dialog.querySelector("input");
   dialog.querySelector(".key-message").textContent = message;
   input.value = "";
