@@ -2,7 +2,7 @@
 
     pip install llama-cpp-python==0.3.36   # builds llama.cpp with -march=native (~7 min, 2 cores)
     python bench/vs_llamacpp.py [--model smollm2-135m-instruct] [--threads 2]
-        [--sections one_stream offline] [--llamacpp-files stored q8_0 f32] [--extra-bufts]
+        [--sections load one_stream offline] [--llamacpp-files stored q8_0 f32] [--extra-bufts]
         [--prompt-tokens 512] [--decode-tokens 128] [--repeats 3]
         [--num-requests 32] [--ours-batch-sizes 32] [--llamacpp-batch-sizes 16] [--json FILE]
         [--plot PNG ...]
@@ -18,6 +18,11 @@ Engines:
   kernels run on the stored blocks.
 
 Sections:
+- ``load``: seconds from the load call to the first token of a 3-token prompt, in a fresh
+  process (Python imports excluded; the file in the page cache: the best of ``--repeats`` after
+  one untimed load), and the process's resident growth over it; ours is ``LLM(file)``, llama.cpp
+  ``llama_model_load_from_file`` (its default mmap) + a context; with our weights' bytes against
+  the file's tensor bytes.
 - ``one_stream``: prefill tok/s of one prompt of ``--prompt-tokens`` random token ids, then greedy
   decode tok/s over ``--decode-tokens`` tokens (EOS off); the best of ``--repeats``.
 - ``offline``: Orca's workload (bench/serving.py's: prompts ~U[32, 512], outputs ~U[1, 128],
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import subprocess
 import sys
 import time
 from collections import deque
@@ -104,6 +110,61 @@ def ours_offline(model: str, requests: Sequence[serving.WorkloadRequest], batch_
     start = time.perf_counter()
     outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
     return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+# The timed part of one load, run in a fresh process: argv is (file, threads); prints
+# [seconds, resident growth in bytes].
+_RESIDENT = "int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')"
+LOAD_CHILDREN = {
+    "ours": f"""
+import json, os, sys, time
+import gguf, tokenizers, torch  # imported before the clock starts, as orca_ext is
+from orca_ext import LLM, SamplingParams
+torch.set_num_threads(int(sys.argv[2]))
+resident, start = {_RESIDENT}, time.perf_counter()
+llm = LLM(sys.argv[1], max_batch_size=1, kv_cache_tokens=64)
+llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+print(json.dumps([time.perf_counter() - start, {_RESIDENT} - resident]))
+""",
+    "llama.cpp": f"""
+import json, logging, os, sys, time
+import llama_cpp as lc
+logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+lc.llama_backend_init()
+resident, start = {_RESIDENT}, time.perf_counter()
+model = lc.llama_model_load_from_file(sys.argv[1].encode(), lc.llama_model_default_params())
+params = lc.llama_context_default_params()
+params.n_ctx = 64
+params.n_threads = params.n_threads_batch = int(sys.argv[2])
+ctx = lc.llama_init_from_model(model, params)
+tokens = (lc.llama_token * 3)(1, 2, 3)
+assert lc.llama_decode(ctx, lc.llama_batch_get_one(tokens, 3)) == 0
+lc.llama_get_logits_ith(ctx, -1)
+print(json.dumps([time.perf_counter() - start, {_RESIDENT} - resident]))
+""",
+}
+
+
+def load_time(engine: str, path: str, threads: int, repeats: int) -> tuple[float, float]:
+    """(seconds, resident MB) of the fastest of ``repeats`` loads after an untimed one."""
+    runs = []
+    for _ in range(1 + repeats):
+        done = subprocess.run([sys.executable, "-c", LOAD_CHILDREN[engine], path, str(threads)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{engine} could not load {path}: {done.stderr[-2000:]}")
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    seconds, resident = min(runs[1:])
+    return seconds, resident / 1e6
+
+
+def weight_bytes(path: str) -> tuple[int, int]:
+    """(bytes of our loaded model's parameters, bytes of the file's tensors)."""
+    from orca_ext.model.gguf import GGUFFile
+
+    model = load_model(path).model
+    ours = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
+    return ours, sum(int(t.data.nbytes) for t in GGUFFile(path).tensors.values())
 
 
 @dataclass
@@ -303,8 +364,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--sections", nargs="+", choices=("one_stream", "offline"),
-                        default=["one_stream", "offline"])
+    parser.add_argument("--sections", nargs="+", choices=("load", "one_stream", "offline"),
+                        default=["load", "one_stream", "offline"])
     parser.add_argument("--ours", nargs="*", choices=tuple(OURS), default=list(OURS))
     parser.add_argument("--llamacpp-files", nargs="+", choices=("stored", *LLAMACPP_FTYPES),
                         default=["stored", *LLAMACPP_FTYPES])
@@ -343,6 +404,20 @@ def main() -> int:
           + ", ".join(f"{k} {Path(f).stat().st_size / 1e6:.1f} MB" for k, f in files.items()),
           flush=True)
     record: dict = {"cpu": cpu, "threads": args.threads, "args": vars(args)}
+
+    if "load" in args.sections:
+        loads = {name: load_time(name, path, args.threads, args.repeats)
+                 for name in LOAD_CHILDREN}
+        print("\nload: the call to the first token, a fresh process, file cached")
+        for name, (seconds, resident) in loads.items():
+            print(f"{name:<12} {seconds:6.2f} s, resident growth {resident:7.1f} MB")
+        ours_bytes, file_bytes = weight_bytes(path)
+        print(f"ours / llama.cpp load time: {loads['ours'][0] / loads['llama.cpp'][0]:.2f}x; "
+              f"our weights {ours_bytes / 1e6:.1f} MB = {ours_bytes / file_bytes:.3f}x the "
+              f"file's tensor bytes ({file_bytes / 1e6:.1f} MB)")
+        record["load"] = {"seconds": {n: s for n, (s, _) in loads.items()},
+                          "resident_mb": {n: r for n, (_, r) in loads.items()},
+                          "weight_bytes": ours_bytes, "file_tensor_bytes": file_bytes}
 
     if "one_stream" in args.sections:
         rng = np.random.default_rng(0)

@@ -156,8 +156,13 @@ class RotaryEmbedding(Layer):
         super().__init__()
         if len({rope.dim for rope in ropes}) != 1:
             raise ValueError("every rotary table of a model must rotate the same dims")
-        tables = [rope_inv_freq(rope.dim, rope.theta, rope.scaling) for rope in ropes]
-        self.register_buffer("inv_freq", torch.stack([t[0] for t in tables]), persistent=False)
+        # Computed on the CPU, then placed: on the meta device (the loader's shape-only model)
+        # torch's arange goes through its reference implementations, which import dynamo.
+        with torch.device("cpu"):
+            tables = [rope_inv_freq(rope.dim, rope.theta, rope.scaling) for rope in ropes]
+        device = torch.get_default_device()
+        self.register_buffer("inv_freq", torch.stack([t[0] for t in tables]).to(device),
+                             persistent=False)
         factors = [t[1] for t in tables]
         self.register_buffer("factors", torch.tensor(factors)[:, None, None]
                              if any(f != 1.0 for f in factors) else None, persistent=False)
