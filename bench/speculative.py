@@ -53,7 +53,7 @@ CHATS = ["What is the capital of France?", "Explain photosynthesis briefly.",
          "Describe the water cycle.", "Why is the sky blue?", "How do vaccines work?",
          "Suggest a name for a pet turtle."]
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
+NGRAM = {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}
 
 

@@ -10,7 +10,7 @@ METHODS = ("ngram", "draft_model")
 # Speculation stops adding proposals once a batch holds this many tokens: past it a CPU step's
 # cost grows with its tokens (compute-bound), so verified proposals no longer come nearly free
 # (bench/speculative.py --crossover measures it; bench/README.md has the figures).
-DEFAULT_MAX_BATCH_TOKENS = 16
+DEFAULT_MAX_BATCH_TOKENS = 8
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,9 @@ class Proposer(Protocol):
 
 class Speculator:
     """Proposals for a batch's decoding requests, within ``max_batch_tokens`` in all; each
-    request's count follows its acceptance (``num_speculative_tokens`` x its recent share of
-    accepted proposals, at least one)."""
+    request's count follows its acceptance: all of ``num_speculative_tokens`` after a step that
+    accepted every proposal (copying goes on), else that many times its recent share of
+    accepted proposals, at least one."""
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
         self.config, self.proposer = config, proposer
@@ -61,7 +62,8 @@ class Speculator:
         request.spec_acceptance += _ACCEPTANCE_DECAY * (num_accepted / num_proposed
                                                         - request.spec_acceptance)
         k_max = self.config.num_speculative_tokens
-        request.num_spec_tokens = max(1, min(k_max, round(k_max * request.spec_acceptance)))
+        request.num_spec_tokens = k_max if num_accepted == num_proposed \
+            else max(1, min(k_max, round(k_max * request.spec_acceptance)))
 
     def drop(self, request_ids: Iterable[int]) -> None:
         self.proposer.drop(request_ids)
