@@ -313,3 +313,21 @@ def test_metrics_name_the_counters(loaded):
         stats.spec_num_accepted_tokens
     assert values["orca_spec_decode_draft_acceptance_rate"] == pytest.approx(
         stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens)
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_ngram(loaded):
+    """Two pipeline stages, two batches in flight: the last stage verifies the proposals; the
+    outputs are one process's (greedy and seeded sampling)."""
+    from orca_ext import LLM
+    from orca_ext.distributed import ParallelConfig
+
+    prompts = ["abcabcabcabcabc", "hello hello hello", "The cat sat on the mat. The cat"]
+    params = [GREEDY, SamplingParams(temperature=0.1, seed=3, max_tokens=16, ignore_eos=True),
+              GREEDY]
+    args = dict(dtype="float32", max_batch_size=2, kv_cache_tokens=1024, block_size=8)
+    reference = _run(build_engine(EngineConfig(loaded, **args)), prompts, params)
+    with LLM("orca-tiny", **args, speculative_config=NGRAM,
+             parallel_config=ParallelConfig(1, 2, worker_threads=1)) as llm:
+        assert _run(llm.engine, prompts, params) == reference
+        assert llm.engine.stats().spec_num_accepted_tokens > 0
