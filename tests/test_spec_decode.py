@@ -331,3 +331,25 @@ def test_pipeline_parallel_ngram(loaded):
              parallel_config=ParallelConfig(1, 2, worker_threads=1)) as llm:
         assert _run(llm.engine, prompts, params) == reference
         assert llm.engine.stats().spec_num_accepted_tokens > 0
+
+
+def test_serve_flag():
+    """``orca-serve --speculative-config JSON`` reaches the engine; a bad one is a ValueError
+    naming the value before anything loads."""
+    pytest.importorskip("fastapi")
+    from orca_ext.distributed import ParallelConfig
+    from orca_ext.server.__main__ import build_core, build_parser
+
+    base = ["--model", "orca-tiny", "--device", "cpu", "--dtype", "float32",
+            "--kv-cache-tokens", "1024"]
+    args = build_parser().parse_args(
+        [*base, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    core, _ = build_core(args, ParallelConfig())
+    try:
+        assert core.engine.engine.scheduler.speculator.config.num_speculative_tokens == 3
+    finally:
+        core.engine.shutdown()
+    bad = build_parser().parse_args(
+        [*base, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}'])
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 1, got -1"):
+        build_core(bad, ParallelConfig())
