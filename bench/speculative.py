@@ -70,7 +70,7 @@ def one_stream(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[float, lis
     engine = llm.engine
     engine.add_request("bench", prompt, SamplingParams(temperature=0, max_tokens=max_tokens),
                        stream=True)
-    start = first = time.perf_counter()
+    first = time.perf_counter()
     seen = 0
     out = None
     with torch.inference_mode():
@@ -80,7 +80,6 @@ def one_stream(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[float, lis
                     first = time.perf_counter()
                 seen = len(out.outputs[0].token_ids)
     end = time.perf_counter()
-    del start
     ids = out.outputs[0].token_ids
     after = engine.stats()
     drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens

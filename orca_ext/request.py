@@ -35,10 +35,11 @@ class Request:
     num_cached_tokens: int | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string
-    # Speculative decoding: proposals to ask for next (None: the configured most), adapted to
-    # the share of its proposals the request has accepted lately.
+    # Speculative decoding: proposals to ask for next (None: the configured most), from the
+    # decayed counts of its proposals accepted and checked (each up to the first rejected).
     num_spec_tokens: int | None = None
-    spec_acceptance: float = 1.0
+    spec_accepted: float = 0.0
+    spec_checked: float = 0.0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -222,20 +222,27 @@ def test_ngram_proposal():
 def test_adaptive_count_follows_acceptance():
     from orca_ext.request import Request
     from orca_ext.spec_decode import Speculator
+    from orca_ext.spec_decode.speculator import MARGINAL_TOKEN_COST, best_num_proposals
     from orca_ext.spec_decode.ngram import NgramProposer
 
-    speculator = Speculator(SpeculativeConfig("ngram", 4), NgramProposer(1, 3))
+    def rate(acceptance: float, k: int) -> float:  # tokens per unit of step time
+        return sum(acceptance ** i for i in range(k + 1)) / (1 + MARGINAL_TOKEN_COST * k)
+
+    for acceptance in (0.0, 0.2, 0.4, 0.6, 0.8, 0.95, 1.0):
+        best = best_num_proposals(acceptance, 7)
+        assert rate(acceptance, best) == max(rate(acceptance, k) for k in range(1, 8))
+    assert best_num_proposals(1.0, 7) == 7 and best_num_proposals(0.0, 7) == 1
+
+    speculator = Speculator(SpeculativeConfig("ngram", 6), NgramProposer(1, 3))
     request = Request(0, [1, 2], SamplingParams(), 100)
-    assert speculator.wanted(request) == 4
+    assert speculator.wanted(request) == 6
+    for _ in range(3):
+        speculator.record(request, speculator.wanted(request), 0)
+    assert speculator.wanted(request) == 1
     for _ in range(4):
-        speculator.record(request, 4, 0)
-    assert speculator.wanted(request) == 1
-    speculator.record(request, 1, 0)
-    assert speculator.wanted(request) == 1
-    speculator.record(request, 4, 2)  # acceptance average about 1/4
-    assert speculator.wanted(request) == 1
-    speculator.record(request, 1, 1)  # all accepted: copying resumed
-    assert speculator.wanted(request) == 4
+        speculator.record(request, speculator.wanted(request), speculator.wanted(request))
+    assert speculator.wanted(request) == 6  # copying again: 1, 3, 6, 6
+    assert (speculator.num_drafts, speculator.num_accepted_tokens) == (7, 1 + 3 + 6 + 6)
     assert not speculator.eligible(Request(1, [1], SamplingParams(presence_penalty=1.0), 9))
     assert not speculator.eligible(Request(2, [1], SamplingParams(min_tokens=3), 9))
 

@@ -9,8 +9,24 @@ from typing import Protocol
 from ..request import Request
 from .config import SpeculativeConfig
 
-# Weight of the latest step in a request's acceptance average.
+# Weight of the past in a request's acceptance averages, per verification.
 _ACCEPTANCE_DECAY = 0.5
+# A verified token's cost as a share of a one-token step's: the slope of a one-request decode
+# step's time against its tokens (bench/speculative.py --crossover, bench/README.md).
+MARGINAL_TOKEN_COST = 0.25
+
+
+def best_num_proposals(acceptance: float, most: int) -> int:
+    """The number of proposals (1 .. ``most``) that yields the most tokens per unit of step
+    time, each proposal accepted with probability ``acceptance`` after the one before it."""
+    best, best_rate, expected, accepted_all = 1, 0.0, 1.0, 1.0
+    for k in range(1, most + 1):
+        accepted_all *= acceptance
+        expected += accepted_all  # 1 + acceptance + ... + acceptance^k tokens per step
+        rate = expected / (1 + MARGINAL_TOKEN_COST * k)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
 
 
 class Proposer(Protocol):
@@ -23,9 +39,10 @@ class Proposer(Protocol):
 
 class Speculator:
     """Proposals for a batch's decoding requests, within ``max_batch_tokens`` in all; each
-    request's count follows its acceptance: all of ``num_speculative_tokens`` after a step that
-    accepted every proposal (copying goes on), else that many times its recent share of
-    accepted proposals, at least one."""
+    request's count (at most ``num_speculative_tokens``) follows its recent acceptance: after a
+    rejection, the count ``best_num_proposals`` gives for the share of its proposals that
+    passed (each checked only after the one before it passed); after a step that accepted them
+    all, twice as many and one more (copying comes in runs)."""
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
         self.config, self.proposer = config, proposer
@@ -59,11 +76,15 @@ class Speculator:
         self.num_drafts += 1
         self.num_draft_tokens += num_proposed
         self.num_accepted_tokens += num_accepted
-        request.spec_acceptance += _ACCEPTANCE_DECAY * (num_accepted / num_proposed
-                                                        - request.spec_acceptance)
-        k_max = self.config.num_speculative_tokens
-        request.num_spec_tokens = k_max if num_accepted == num_proposed \
-            else max(1, min(k_max, round(k_max * request.spec_acceptance)))
+        checked = num_accepted + (num_accepted < num_proposed)  # up to the first rejected
+        request.spec_accepted = _ACCEPTANCE_DECAY * request.spec_accepted + num_accepted
+        request.spec_checked = _ACCEPTANCE_DECAY * request.spec_checked + checked
+        most = self.config.num_speculative_tokens
+        if num_accepted == num_proposed:
+            request.num_spec_tokens = min(most, 2 * self.wanted(request) + 1)
+        else:
+            request.num_spec_tokens = best_num_proposals(
+                request.spec_accepted / request.spec_checked, most)
 
     def drop(self, request_ids: Iterable[int]) -> None:
         self.proposer.drop(request_ids)
