@@ -75,9 +75,7 @@ class DraftModelProposer:
             scheduled.append(ScheduledRequest(request.request_id, tokens[start:], start,
                                               self._new_blocks(request.request_id)))
             rows.append(row)
-        for step in range(max((k for _, k in requests), default=0)):
-            if not scheduled:
-                break
+        while scheduled:  # one draft step per proposal position
             output = self.runner.execute(SchedulerOutput(self._batch_id, scheduled, new,
                                                          self._dropped))
             self._batch_id += 1
@@ -85,8 +83,7 @@ class DraftModelProposer:
             next_scheduled, next_rows = [], []
             for r, row, token in zip(scheduled, rows, output.sampled_token_ids):
                 proposals[row].append(token)
-                request, k = requests[row]
-                if len(proposals[row]) < k:
+                if len(proposals[row]) < requests[row][1]:
                     known = self._tokens[r.request_id]
                     next_scheduled.append(ScheduledRequest(r.request_id, [token], len(known)))
                     known.append(token)
