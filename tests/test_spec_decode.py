@@ -207,6 +207,12 @@ def test_structured_outputs_with_speculation():
     want = _run(plain, prompts, params)
     assert _run(spec, prompts, params, check=True) == want
     assert spec.stats().spec_num_accepted_tokens > 0
+    # The cut itself: "ab" twice is allowed by the regex, then "x" is not.
+    spec.add_request("cut", "abab", params[0])
+    request = next(iter(spec.scheduler.waiting))
+    assert spec._allowed_prefix(request, [ord(c) for c in "ababxab"]) == 4
+    assert spec._allowed_prefix(request, [ord("c")]) == 0  # (ab){3,8}c: too early
+    spec.abort("cut")
 
 
 def test_ngram_proposal():
