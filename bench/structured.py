@@ -80,7 +80,7 @@ def batch_fill_times(structured, batch_size: int, repeats: int) -> list[float]:
     """Seconds of the engine's whole-batch fill (worker thread and llguidance's pool)."""
     matchers = [structured.compile(StructuredOutputsParams(json=SCHEMAS[i % len(SCHEMAS)][1]))
                 for i in range(batch_size)]
-    work = list(enumerate(matchers))
+    work = [(row, matcher, []) for row, matcher in enumerate(matchers)]
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

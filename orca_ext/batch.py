@@ -43,7 +43,10 @@ class ScheduledRequest:
     the first time). ``sample`` is False for a prompt chunk that is not the last one (its logits
     are not needed). ``num_padding`` tokens run after ``token_ids`` (request-level batching pads
     prompts to the batch's longest): their KV goes to the request's next slots, which its later
-    tokens overwrite, and their outputs are dropped.
+    tokens overwrite, and their outputs are dropped. The last ``num_spec_tokens`` of
+    ``token_ids`` are speculative proposals (``spec_decode``): every one of the last
+    ``1 + num_spec_tokens`` rows is sampled, and the runner accepts the proposals its samples
+    confirm; the KV of the rejected ones is overwritten later.
     """
 
     request_id: int
@@ -52,6 +55,7 @@ class ScheduledRequest:
     new_block_ids: list[int] = field(default_factory=list)
     sample: bool = True
     num_padding: int = 0
+    num_spec_tokens: int = 0
 
 
 @dataclass
@@ -88,3 +92,8 @@ class RunnerOutput:
     request_ids: list[int]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    # Speculative decoding: per request that verified proposals and accepted some, the tokens
+    # after its first (the accepted proposals but the first, then the token sampled after the
+    # last accepted one) and their logprobs.
+    extra_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    extra_logprobs: dict[int, list[TokenLogprobs | None]] = field(default_factory=dict)

@@ -11,6 +11,7 @@ import platform
 from .config import EngineConfig
 from .engine import Engine
 from .scheduler import make_scheduler
+from .spec_decode import make_speculator
 
 _log = logging.getLogger(__name__)
 
@@ -42,7 +43,9 @@ def build_engine(config: EngineConfig) -> Engine:
     allocator = SlotAllocator(num_blocks, config.block_size)
     kv_cache = KVCache(loaded.config, num_blocks, config.block_size, loaded.dtype, loaded.device)
     runner = ModelRunner(loaded.model, kv_cache)
-    engine = Engine(runner, make_scheduler(config.scheduler_config(), allocator),
+    speculator = make_speculator(config.speculative_config, loaded, config.block_size,
+                                 num_blocks * config.block_size)
+    engine = Engine(runner, make_scheduler(config.scheduler_config(), allocator, speculator),
                     max_model_len=loaded.max_model_len, tokenizer=loaded.tokenizer,
                     eos_token_ids=loaded.eos_token_ids, vocab_size=loaded.config.vocab_size,
                     chat_template=loaded.chat_template, bos_token_id=loaded.config.bos_token_id,

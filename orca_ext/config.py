@@ -15,6 +15,7 @@ import torch
 from .model.builtin import DEFAULT_MODEL
 from .model.loader import resolve_dtype, runs_quantized
 from .scheduler import SchedulerConfig
+from .spec_decode import SpeculativeConfig
 
 if TYPE_CHECKING:
     from .distributed import ParallelConfig
@@ -34,7 +35,8 @@ class EngineConfig:
     paged policies, off for request, which cannot use it) reuses the KV of cached prompt
     prefixes. ``quantization`` (``model/quantized.py``): None runs a GGUF file in its stored
     formats, ``"none"`` dequantizes, ``"q8_0"`` / ``"q4_0"`` / ``"q4_1"`` quantize every linear
-    weight at load (CPU, one process)."""
+    weight at load (CPU, one process). ``speculative_config`` (vLLM's: a dict, its JSON text or a
+    ``SpeculativeConfig``) turns on speculative decoding (``spec_decode``)."""
 
     model: str | LoadedModel = DEFAULT_MODEL
     dtype: torch.dtype | str = "auto"
@@ -51,6 +53,7 @@ class EngineConfig:
     parallel_config: ParallelConfig | None = None
     enable_prefix_caching: bool | None = None
     quantization: str | None = None
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.device is None and not isinstance(self.model, str):
@@ -99,6 +102,11 @@ class EngineConfig:
                 raise ValueError("model: distributed workers load the weights themselves; pass "
                                  "a built-in name or a model path, not a loaded model")
         self.scheduler_config()  # checks the policy and its limits
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        if (self.speculative_config is not None and self.parallel_config is not None
+                and self.speculative_config.method == "draft_model"):
+            raise ValueError("speculative_config.method 'draft_model' runs in one process; with "
+                             "tensor or pipeline parallelism use method 'ngram'")
 
     @property
     def distributed(self) -> bool:

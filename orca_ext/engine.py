@@ -76,6 +76,7 @@ class _Sequence:
     logprobs: list[dict[int, float]] | None
     cumulative_logprob: float | None
     matcher: Any = None  # its llguidance matcher, when its output is constrained
+    num_processed: int = 0  # outputs appended to the text, logprobs and matcher so far
 
 
 @dataclass(eq=False)
@@ -128,6 +129,8 @@ class Engine:
         self.activity = Activity()  # the dashboard's record; read it with activity_sample
         self.structured = StructuredOutputs(tokenizer, vocab_size, self.eos_token_ids)
         self._num_constrained = 0  # unfinished sequences with a matcher
+        if scheduler.speculator is not None:
+            scheduler.speculator.allowed_prefix = self._allowed_prefix
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
@@ -295,8 +298,17 @@ class Engine:
             touched[seq.group.request_id] = seq.group
             if seq.group.metrics.first_token_time is None:
                 seq.group.metrics.first_token_time = now
-            self._append(seq, request.output_token_ids[-1], logprobs[request.request_id])
-            self.num_generated_tokens += 1
+            new_logprobs = [logprobs[request.request_id],
+                            *result.extra_logprobs.get(request.request_id, ())]
+            new_tokens = request.output_token_ids[seq.num_processed:]
+            for i, token_id in enumerate(new_tokens):
+                last = i == len(new_tokens) - 1
+                stopped = self._append(seq, token_id, new_logprobs[i], last)
+                self.num_generated_tokens += 1
+                if stopped and not last:  # the accepted tokens after it are dropped
+                    request.truncate_output(seq.num_processed + i + 1)
+                    break
+            seq.num_processed = len(request.output_token_ids)
         outputs = []
         holds = self.scheduler.holds_outputs
         for group in touched.values():
@@ -334,44 +346,63 @@ class Engine:
 
     def _token_bitmask(self, batch: SchedulerOutput) -> TokenBitmask | None:
         """Start computing the masks of the batch's constrained sampled requests (the runner
-        samples the requests with ``sample`` set, in order)."""
+        samples the requests with ``sample`` set, in order, each on ``1 + num_spec_tokens``
+        rows: its masks follow its grammar through its proposals)."""
         matchers = []
-        sampled = (r.request_id for r in batch.requests if r.sample)
-        for row, request_id in enumerate(sampled):
-            matcher = self._sequences[request_id].matcher
+        row = 0
+        for r in batch.requests:
+            if not r.sample:
+                continue
+            matcher = self._sequences[r.request_id].matcher
             if matcher is not None:
-                matchers.append((row, matcher))
+                spec = r.token_ids[len(r.token_ids) - r.num_spec_tokens:]
+                matchers.append((row, matcher, spec))
+            row += 1 + r.num_spec_tokens
         return self.structured.bitmask(matchers) if matchers else None
 
-    def _advance_matcher(self, seq: _Sequence) -> None:
+    def _allowed_prefix(self, request: Request, proposals: list[int]) -> int:
+        """How many of ``proposals`` the request's grammar allows (all, unconstrained)."""
+        matcher = self._sequences[request.request_id].matcher
+        return len(proposals) if matcher is None else matcher.validate_tokens(proposals)
+
+    def _advance_matcher(self, seq: _Sequence, token_id: int) -> bool:
         """Feed the sampled token to the sequence's matcher; end the sequence (its token kept
-        in the text) where the grammar is complete and can take no more."""
-        request = seq.request
+        in the text) where the grammar is complete and can take no more, and say so."""
         matcher = seq.matcher
-        if not matcher.consume_token(request.output_token_ids[-1]):
+        if not matcher.consume_token(token_id):
             _log.warning("request %s: its grammar refused a sampled token (%s); ending it",
                          seq.group.request_id, matcher.get_error())
-        if not request.finished and matcher.is_stopped():
-            self.scheduler.finish(request, "stop")
+        if matcher.is_stopped():
+            self.scheduler.finish(seq.request, "stop")
+            return True
+        return False
 
-    def _append(self, seq: _Sequence, token_id: int, logprobs: TokenLogprobs | None) -> None:
+    def _append(self, seq: _Sequence, token_id: int, logprobs: TokenLogprobs | None,
+                last: bool = True) -> bool:
+        """Add one output token to the text, logprobs and matcher (``last``: the step's last
+        one, where the scheduler's finish, if any, applies); True where a stop string or the
+        grammar ends the request at this token."""
         request = seq.request
+        ended = request.finished and last
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append({token_id: logprobs.logprob, **logprobs.top})
             seq.cumulative_logprob += logprobs.logprob
-        if seq.matcher is not None and not request.finished:
-            self._advance_matcher(seq)
+        stopped = False
+        if seq.matcher is not None and not ended:
+            stopped = self._advance_matcher(seq, token_id)
         detokenizer = seq.detokenizer
         if detokenizer is None:
-            return
+            return stopped
         stop = None
         # A stop token is kept in token_ids, not in the text.
-        if not (request.finish_reason == "stop" and request.stop_reason == token_id):
+        if not (ended and request.finish_reason == "stop" and request.stop_reason == token_id):
             stop = detokenizer.append(token_id)
-        if stop is None and request.finished:
+        if stop is None and (ended or stopped):
             stop = detokenizer.flush()
         if stop is not None:
             self.scheduler.finish(request, "stop", stop)
+            stopped = True
+        return stopped
 
     def _output(self, group: _Group) -> RequestOutput:
         outputs = []

@@ -35,6 +35,11 @@ class Request:
     num_cached_tokens: int | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string
+    # Speculative decoding: proposals to ask for next (None: the configured most), from the
+    # decayed counts of its proposals accepted and checked (each up to the first rejected).
+    num_spec_tokens: int | None = None
+    spec_accepted: float = 0.0
+    spec_checked: float = 0.0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -60,3 +65,9 @@ class Request:
         if len(self.output_token_ids) >= self.max_new_tokens:
             return "length", None
         return None
+
+    def truncate_output(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` outputs (a stop string or grammar ended the request
+        inside a step's accepted speculative tokens)."""
+        del self.output_token_ids[num_tokens:]
+        del self.all_token_ids[len(self.prompt_token_ids) + num_tokens:]

@@ -7,6 +7,7 @@ its stream does not depend on which requests share the batch. Logprobs are those
 distribution (``log_softmax`` of the raw logits, before penalties and temperature). Constrained
 requests' rows are masked first (``token_bitmask``: tokens their grammar does not allow get
 -inf), in place, by one ``apply_token_bitmask`` call; the other rows are not touched.
+``Sampler.verify`` samples the rows of speculative proposals and accepts them (``spec_decode``).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Protocol
 import torch
 
 from . import _C
-from .batch import TokenLogprobs
+from .batch import RunnerOutput, TokenLogprobs
 from .ops import apply_token_bitmask
 from .sampling_params import SamplingParams
 from .structured import TokenBitmask
@@ -34,6 +35,15 @@ class SampledRequest(Protocol):
 
     @property
     def output_token_ids(self) -> list[int]: ...
+
+
+class VerifiedRequest(SampledRequest, Protocol):
+    """A sampled request that may carry proposals to verify (the runner's ``RequestState``)."""
+
+    num_spec_tokens: int
+
+    @property
+    def spec_token_ids(self) -> list[int]: ...
 
 
 @dataclass
@@ -141,8 +151,42 @@ class Sampler:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
 
+    def verify(self, logits: torch.Tensor, requests: Sequence[VerifiedRequest],
+               output: RunnerOutput, token_bitmask: TokenBitmask | None = None) -> RunnerOutput:
+        """Speculative verification: ``logits`` has ``1 + num_spec_tokens`` rows per request,
+        the row of its last token then one per proposal. Every row is sampled as the token of
+        its own position; a request keeps its first sample and, while a sample equals the
+        proposal the next row ran, the next one. For a point-mass proposal (n-gram, a greedy
+        draft) this is the rejection rule of Leviathan et al. / Chen et al.: a proposal x is
+        accepted with probability p(x), and a rejected one is replaced by a draw from p without
+        x, the normalised residual. A seeded request's generator is rewound to just after the
+        draws of the tokens kept, so its outputs do not depend on speculation."""
+        rows = [r for r in requests for _ in range(1 + r.num_spec_tokens)]
+        states: dict[int, torch.Tensor] = {}
+        result = self(logits, rows, token_bitmask, states)
+        tokens, logprobs = result.token_ids, result.logprobs
+        row = 0
+        for request in requests:
+            proposals = request.spec_token_ids
+            accepted = 0
+            while accepted < len(proposals) and tokens[row + accepted] == proposals[accepted]:
+                accepted += 1
+            output.sampled_token_ids.append(tokens[row])
+            output.logprobs.append(logprobs[row])
+            if accepted:
+                output.extra_token_ids[request.request_id] = tokens[row + 1:row + 1 + accepted]
+                output.extra_logprobs[request.request_id] = logprobs[row + 1:row + 1 + accepted]
+            rewind = states.get(row + accepted + 1)
+            if accepted < len(proposals) and rewind is not None:
+                self._generators[request.request_id].set_state(rewind)
+            row += 1 + len(proposals)
+        return output
+
     def __call__(self, logits: torch.Tensor, requests: Sequence[SampledRequest],
-                 token_bitmask: TokenBitmask | None = None) -> SamplerOutput:
+                 token_bitmask: TokenBitmask | None = None,
+                 generator_states: dict[int, torch.Tensor] | None = None) -> SamplerOutput:
+        """One token per row; ``generator_states`` (verification) gets each seeded row's
+        generator state before its draw."""
         params = [r.sampling_params for r in requests]
         raw_logits = logits
         biased = any(p.logit_bias or p.min_tokens for p in params)
@@ -171,14 +215,15 @@ class Sampler:
                                         for g, p in zip(greedy, params)], device=scores.device)
             probs = filter_logits(scores / temperature[:, None], params).softmax(dim=-1)
             # Exponential race: argmax(p / E), E ~ Exp(1), draws a token with probability p.
-            race = probs / self._exponentials(probs, requests, greedy)
+            race = probs / self._exponentials(probs, requests, greedy, generator_states)
             is_greedy = torch.tensor(greedy, device=scores.device)
             tokens = torch.where(is_greedy, tokens, race.argmax(dim=-1))
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, self._logprobs(raw_logits, tokens, params))
 
     def _exponentials(self, probs: torch.Tensor, requests: Sequence[SampledRequest],
-                      greedy: list[bool]) -> torch.Tensor:
+                      greedy: list[bool],
+                      states: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Exp(1) noise ``[S, vocab]``: seeded rows from their own generator, the rest from
         torch's default one."""
         noise = torch.empty_like(probs).exponential_()
@@ -190,6 +235,8 @@ class Sampler:
             if generator is None:
                 generator = self._new_generator(seed, len(request.output_token_ids), probs)
                 self._generators[request.request_id] = generator
+            if states is not None:
+                states[row] = generator.get_state()
             noise[row].exponential_(generator=generator)
         return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 

@@ -24,6 +24,7 @@ from .request import Request
 
 if TYPE_CHECKING:
     from .kv import SlotAllocator
+    from .spec_decode import Speculator
 
 # A request's share of a batch: the request and how many of its tokens run now.
 Picked = list[tuple[Request, int]]
@@ -74,6 +75,11 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_evictable_blocks: int = 0  # cached blocks no request holds (free, their KV kept)
+    # Speculative decoding since start, as vLLM counts them: verifications, tokens proposed in
+    # them, and of those, tokens accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -92,15 +98,18 @@ class Scheduler:
     # has drained), as request-level batching does.
     holds_outputs = False
 
-    def __init__(self, config: SchedulerConfig, allocator: SlotAllocator) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: SlotAllocator,
+                 speculator: Speculator | None = None) -> None:
         self.config = config
         self.allocator = allocator
+        self.speculator = speculator
         self.waiting: deque[Request] = deque()  # holding no KV, in arrival order
         self.running: list[Request] = []  # holding KV, in arrival order
         self.requests: dict[int, Request] = {}  # every unfinished request
         self.num_preemptions = 0
         self.prefix_cache_queries = self.prefix_cache_hits = 0
         self._batches: dict[int, Picked] = {}
+        self._batch_spec: dict[int, dict[int, int]] = {}  # batch -> request -> proposals sent
         self._next_batch_id = 0
         self._ended: list[int] = []  # ids to report in the next batch's finished_request_ids
         # Prefix caching: hashes of the prompt blocks the batches in flight complete, per batch
@@ -160,6 +169,7 @@ class Scheduler:
         picked = [] if full else self._select()
         if not picked:
             return SchedulerOutput(self._next_batch_id, [])
+        proposals = self._propose(picked) if self.speculator is not None else {}
         scheduled, new_requests = [], []
         block_size = self.allocator.block_size
         for request, num_new in picked:
@@ -175,12 +185,15 @@ class Scheduler:
                 new_block_ids = self.allocator.blocks(request.request_id)[request.num_sent_blocks:]
                 request.num_sent_blocks = num_blocks
             start = request.num_computed
+            spec = proposals.get(request.request_id, [])
             scheduled.append(ScheduledRequest(
-                request.request_id, request.all_token_ids[start:start + num_new], start,
+                request.request_id, request.all_token_ids[start:start + num_new] + spec, start,
                 new_block_ids, sample=start + num_new == request.num_tokens,
-                num_padding=self._padding(request)))
+                num_padding=self._padding(request), num_spec_tokens=len(spec)))
         output = SchedulerOutput(self._next_batch_id, scheduled, new_requests, self._ended)
         self._batches[output.batch_id] = picked
+        if proposals:
+            self._batch_spec[output.batch_id] = {i: len(p) for i, p in proposals.items()}
         if self.config.enable_prefix_caching:
             hashes = [h for request, num_new in picked
                       for h in self._completed_hashes(request, num_new)]
@@ -191,33 +204,80 @@ class Scheduler:
         return output
 
     def update(self, output: RunnerOutput) -> list[Request]:
-        """Apply a returned batch; return the requests that got a token (finished ones included,
-        their KV already freed)."""
+        """Apply a returned batch; return the requests that got tokens (finished ones included,
+        their KV already freed). A request that verified proposals gets each accepted one and
+        the token after them; the KV of the accepted ones counts as computed."""
         picked = self._batches.pop(output.batch_id)
+        num_proposed = self._batch_spec.pop(output.batch_id, {})
         for h in self._batch_hashes.pop(output.batch_id, []):
             self._pending_hashes[h] -= 1
             if not self._pending_hashes[h]:
                 del self._pending_hashes[h]  # only the batches in flight stay counted
-        by_id = {}
+        sampled = dict(zip(output.request_ids, output.sampled_token_ids))
+        updated = []
         for request, num_new in picked:
             request.in_flight = False
             if request.finished:  # aborted while its batch ran
                 self._release(request)
-            else:
-                request.num_computed += num_new
+                continue
+            request.num_computed += num_new
+            token_id = sampled.get(request.request_id)
+            if token_id is None:  # a prompt chunk
                 if self.config.enable_prefix_caching:
                     self._cache_computed_blocks(request, num_new)
-                by_id[request.request_id] = request
-        updated = []
-        for request_id, token_id in zip(output.request_ids, output.sampled_token_ids):
-            request = by_id.get(request_id)
-            if request is None:
                 continue
+            extra = output.extra_token_ids.get(request.request_id, ())
+            if request.request_id in num_proposed:
+                self.speculator.record(request, num_proposed[request.request_id], len(extra))
             stop = request.append_token(token_id)
+            for token_id in extra:
+                if stop is not None:
+                    break
+                request.num_computed += 1  # the accepted proposal's KV
+                stop = request.append_token(token_id)
+            if self.config.enable_prefix_caching:
+                self._cache_computed_blocks(request, num_new + len(extra))
             if stop is not None:
                 self.finish(request, *stop)
             updated.append(request)
         return updated
+
+    def _propose(self, picked: Picked) -> dict[int, list[int]]:
+        """Proposals for the decoding requests of ``picked``, within the speculator's and the
+        batch's token budgets, each request's KV capacity and its remaining max_tokens (the
+        proposals and the token after them must fit)."""
+        speculator = self.speculator
+        num_tokens = sum(num_new for _, num_new in picked)
+        room = speculator.config.max_batch_tokens - num_tokens
+        if self.config.max_num_batched_tokens is not None:
+            room = min(room, self.config.max_num_batched_tokens - num_tokens)
+        wanted = []
+        for request, num_new in picked:
+            if room <= 0:
+                break
+            if (num_new != 1 or request.finished or request.num_computed != request.num_tokens - 1
+                    or not speculator.eligible(request)):
+                continue
+            k = min(speculator.wanted(request), room,
+                    request.max_new_tokens - len(request.output_token_ids) - 1)
+            k = min(k, self._spec_room(request, request.num_tokens + k) - request.num_tokens)
+            if k > 0:
+                wanted.append((request, k))
+                room -= k
+        if not wanted:
+            return {}
+        proposals = speculator.propose(wanted)
+        return {request.request_id: p for (request, _), p in zip(wanted, proposals) if p}
+
+    def _spec_room(self, request: Request, total_tokens: int) -> int:
+        """KV slots ``request`` holds, grown towards ``total_tokens`` from free blocks (never
+        by preempting): Orca's and request-level reservations already cover max_tokens."""
+        capacity = self.allocator.capacity(request.request_id)
+        need = total_tokens - capacity
+        if need > 0 and self.allocator.can_allocate(need):
+            self.allocator.extend(request.request_id, total_tokens)
+            return total_tokens
+        return capacity
 
     def stats(self) -> SchedulerStats:
         alloc = self.allocator
@@ -226,7 +286,9 @@ class Scheduler:
                               alloc.num_used_blocks, alloc.num_blocks, self.num_preemptions,
                               alloc.num_cached_blocks if caching else 0,
                               self.prefix_cache_queries, self.prefix_cache_hits,
-                              alloc.num_evictable_blocks if caching else 0)
+                              alloc.num_evictable_blocks if caching else 0,
+                              *((spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+                                if (spec := self.speculator) is not None else ()))
 
     def _select(self) -> Picked:
         raise NotImplementedError
@@ -303,6 +365,8 @@ class Scheduler:
         if request.request_id in self.allocator:
             self.allocator.free(request.request_id)
         self._ended.append(request.request_id)
+        if self.speculator is not None:
+            self.speculator.drop([request.request_id])
 
 
 class OrcaScheduler(Scheduler):
@@ -347,8 +411,9 @@ class RequestLevelScheduler(Scheduler):
 
     holds_outputs = True
 
-    def __init__(self, config: SchedulerConfig, allocator: SlotAllocator) -> None:
-        super().__init__(config, allocator)
+    def __init__(self, config: SchedulerConfig, allocator: SlotAllocator,
+                 speculator: Speculator | None = None) -> None:
+        super().__init__(config, allocator, speculator)
         self._finished_rows: list[Request] = []  # finished, held until the batch drains
         self._pad_to = 0  # the running batch's longest prompt
 
@@ -470,11 +535,14 @@ class PagedScheduler(Scheduler):
         self.waiting.appendleft(request)  # victims go latest first, so arrival order holds
         self._ended.append(request.request_id)
         self.num_preemptions += 1
+        if self.speculator is not None:
+            self.speculator.drop([request.request_id])
 
 
 POLICIES: dict[str, type[Scheduler]] = {
     "orca": OrcaScheduler, "paged": PagedScheduler, "request": RequestLevelScheduler}
 
 
-def make_scheduler(config: SchedulerConfig, allocator: SlotAllocator) -> Scheduler:
-    return POLICIES[config.policy](config, allocator)
+def make_scheduler(config: SchedulerConfig, allocator: SlotAllocator,
+                   speculator: Speculator | None = None) -> Scheduler:
+    return POLICIES[config.policy](config, allocator, speculator)

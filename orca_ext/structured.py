@@ -134,23 +134,34 @@ class StructuredOutputs:
                 self._cache.popitem(last=False)
         return compiled.deep_copy()
 
-    def bitmask(self, matchers: Sequence[tuple[int, llguidance.LLMatcher]]) -> TokenBitmask:
-        """Start filling the masks of ``(sampled row, matcher)`` pairs in the worker thread."""
+    def bitmask(self, matchers: Sequence[tuple[int, llguidance.LLMatcher, list[int]]]
+                ) -> TokenBitmask:
+        """Start filling the masks of ``(sampled row, matcher, proposals)`` in the worker
+        thread: a matcher's masks for its row and, after each of its speculative proposals
+        (which its grammar allows), for the rows after it."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="orca-grammar")
-        rows = [row for row, _ in matchers]
-        work = [matcher for _, matcher in matchers]
-        return TokenBitmask(rows, self._pool.submit(self._fill, work))
+        rows = [row + i for row, _, spec in matchers for i in range(1 + len(spec))]
+        work = [(matcher, spec) for _, matcher, spec in matchers]
+        return TokenBitmask(rows, self._pool.submit(self._fill, work, len(rows)))
 
-    def _fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+    def _fill(self, matchers: list[tuple[llguidance.LLMatcher, list[int]]],
+              num_rows: int) -> torch.Tensor:
         """One thread fills the masks one after another (each call without the GIL): on a few
-        cores, more threads would take them from the forward running meanwhile."""
-        masks = torch.empty((len(matchers), self.words), dtype=torch.int32,
-                            pin_memory=self._pin)
+        cores, more threads would take them from the forward running meanwhile. A matcher with
+        proposals consumes them one by one between its masks, then rolls them back."""
+        masks = torch.empty((num_rows, self.words), dtype=torch.int32, pin_memory=self._pin)
         row_bytes = self.words * 4
         base = masks.data_ptr()
-        for row, matcher in enumerate(matchers):
-            matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
+        row = 0
+        for matcher, spec in matchers:
+            for i in range(len(spec) + 1):
+                matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
+                row += 1
+                if i < len(spec):
+                    matcher.consume_token(spec[i])
+            if spec:
+                matcher.rollback(len(spec))
         return masks
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:

@@ -8,6 +8,7 @@ from ..engine import Engine
 from ..kv import SlotAllocator, plan_kv_blocks
 from ..model.loader import load_model_info
 from ..scheduler import make_scheduler
+from ..spec_decode import make_speculator
 from .executor import DistributedExecutor
 from .messages import WorkerSpec
 
@@ -44,7 +45,8 @@ def build_distributed_engine(config: EngineConfig) -> Engine:
                       parallel.pipeline_parallel_size, [(s.start, s.stop) for s in stages],
                       num_blocks, config.block_size)
     executor = DistributedExecutor(parallel, spec, model_config)
-    return Engine(executor, make_scheduler(config.scheduler_config(), allocator),
+    speculator = make_speculator(config.speculative_config)  # n-gram: no model of its own
+    return Engine(executor, make_scheduler(config.scheduler_config(), allocator, speculator),
                   max_model_len=info.max_model_len, tokenizer=info.tokenizer,
                   eos_token_ids=info.eos_token_ids, vocab_size=model_config.vocab_size,
                   chat_template=info.chat_template, bos_token_id=model_config.bos_token_id,

@@ -28,6 +28,7 @@ class RequestState:
     sampling_params: SamplingParams
     block_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    num_spec_tokens: int = 0  # the last token_ids are proposals being verified
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -35,7 +36,12 @@ class RequestState:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """The outputs so far (proposals being verified are not outputs yet)."""
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_spec_tokens]
+
+    @property
+    def spec_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_spec_tokens:]
 
 
 @dataclass
@@ -45,9 +51,11 @@ class StepInputs:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # int64 [S]: the packed row of each sampled request's last token
+    # int64 [S]: the packed row of each sampled request's last token (and its proposals')
+    sample_rows: torch.Tensor
     sampled: list[RequestState]
     is_decode: bool  # one new token per request, every request sampled
+    speculative: bool = False  # some sampled request verifies proposals
 
     @property
     def num_tokens(self) -> int:
@@ -64,7 +72,8 @@ def int64_tensor(values: list[int]) -> torch.Tensor:
 
 def packed_rows(requests: Sequence[ScheduledRequest]) -> tuple[list[int], list[int], list[int]]:
     """An iteration's packed token ids (padding included: it repeats the last token), each
-    request's number of rows, and the row of each sampled request's last real token."""
+    request's number of rows, and the rows sampled: each sampled request's last real token and
+    the proposals after it."""
     token_ids: list[int] = []
     num_rows: list[int] = []
     sample_rows: list[int] = []
@@ -74,7 +83,8 @@ def packed_rows(requests: Sequence[ScheduledRequest]) -> tuple[list[int], list[i
             token_ids.extend(r.token_ids[-1:] * r.num_padding)
         num_rows.append(len(r.token_ids) + r.num_padding)
         if r.sample:
-            sample_rows.append(len(token_ids) - 1 - r.num_padding)
+            last = len(token_ids) - r.num_padding
+            sample_rows.extend(range(last - 1 - r.num_spec_tokens, last))
     return token_ids, num_rows, sample_rows
 
 
@@ -99,6 +109,7 @@ class InputBatch:
             if len(state.token_ids) != r.num_computed:
                 del state.token_ids[r.num_computed:]  # a request-level row run again
             state.token_ids.extend(r.token_ids)
+            state.num_spec_tokens = r.num_spec_tokens
 
     def prepare(self, scheduler_output: SchedulerOutput) -> StepInputs:
         """``update``, then the iteration's tensors, on the CPU."""
@@ -113,4 +124,5 @@ class InputBatch:
         return StepInputs(int64_tensor(token_ids), positions,
                           AttentionMetadata(cu_q_lens, context_lens, block_table, slot_mapping),
                           int64_tensor(sample_rows), sampled,
-                          len(sampled) == len(requests) and len(token_ids) == len(requests))
+                          len(sampled) == len(requests) and len(token_ids) == len(requests),
+                          len(sample_rows) > len(sampled))

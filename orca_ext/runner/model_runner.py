@@ -90,7 +90,7 @@ class ModelRunner:
         return StepInputs(input_ids, positions,
                           AttentionMetadata(cu_q_lens, context_lens, block_table,
                                             slot_mapping), rows,
-                          inputs.sampled, inputs.is_decode)
+                          inputs.sampled, inputs.is_decode, inputs.speculative)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the model's (or this stage's) blocks."""
@@ -105,6 +105,8 @@ class ModelRunner:
 
     def sample(self, inputs: StepInputs, logits: torch.Tensor, output: RunnerOutput,
                token_bitmask: TokenBitmask | None = None) -> RunnerOutput:
+        if inputs.speculative:
+            return self.sampler.verify(logits, inputs.sampled, output, token_bitmask)
         result = self.sampler(logits, inputs.sampled, token_bitmask)
         output.sampled_token_ids, output.logprobs = result.token_ids, result.logprobs
         return output

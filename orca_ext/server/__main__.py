@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most requests in one iteration (default 32)")
     s.add_argument("--max-num-batched-tokens", type=_positive, default=None,
                    help="per-iteration token budget (paged policy only)")
+    s.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM\'s: {"method": "ngram", '
+                   '"num_speculative_tokens": 4} or {"method": "draft_model", "model": NAME, '
+                   '"num_speculative_tokens": 4} (docs/serving.md)')
     s.add_argument("--max-queue", type=_positive, default=None,
                    help="refuse new requests (429) while this many wait for admission")
     kv = p.add_argument_group("KV cache")
@@ -321,7 +325,8 @@ def build_core(args: argparse.Namespace, parallel: Any) -> tuple[Any, list[str]]
                           kv_cache_memory=args.kv_cache_memory,
                           enable_prefix_caching=args.enable_prefix_caching,
                           parallel_config=parallel if parallel.enabled else None,
-                          quantization=args.quantization)
+                          quantization=args.quantization,
+                          speculative_config=args.speculative_config)
     if parallel.enabled:  # the workers load the weights; this process only the tokenizer
         loaded = load_model_info(args.model)
     else:

@@ -65,10 +65,21 @@ class _EngineCollector:
                  stats.num_iterations),
                 ("orca_engine_iteration_seconds", "Their summed time, each from the start of "
                  "the engine step that launched it to its outputs",
-                 stats.iteration_seconds)):
+                 stats.iteration_seconds),
+                ("orca_spec_decode_num_drafts", "Speculative verifications (a request's "
+                 "proposals checked in one step) since start", stats.spec_num_drafts),
+                ("orca_spec_decode_num_draft_tokens", "Tokens proposed in them",
+                 stats.spec_num_draft_tokens),
+                ("orca_spec_decode_num_accepted_tokens", "Of those, tokens accepted",
+                 stats.spec_num_accepted_tokens)):
             counter = CounterMetricFamily(name, doc)
             counter.add_metric([], float(value))
             yield counter
+        rate = GaugeMetricFamily("orca_spec_decode_draft_acceptance_rate", "Accepted / proposed "
+                                 "speculative tokens since start (0 before any)")
+        rate.add_metric([], stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
+                        if stats.spec_num_draft_tokens else 0.0)
+        yield rate
 
 
 class ServerMetrics:
