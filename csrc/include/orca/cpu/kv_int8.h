@@ -9,6 +9,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "orca/cpu/vec.h"
 
 namespace orca::cpu {
@@ -35,12 +39,24 @@ inline void quantize_kv_row(const scalar_t* x, int64_t D, int8_t* out) {
   std::memcpy(out + D, &scale, sizeof(scale));
 }
 
-// 16 int8 values widened to float32.
+// 16 int8 values widened to float32 (sign-extend and convert: GCC scalarizes the generic
+// vector conversion).
 inline vec16 load16_int8(const int8_t* p) {
-  typedef int8_t int8x16 __attribute__((vector_size(16)));
-  int8x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return __builtin_convertvector(v, vec16);
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  return reinterpret_cast<const vec16&>(v);
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  alignas(64) float out[16];
+  _mm256_store_ps(out, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+  _mm256_store_ps(out + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))));
+  return load16(out);
+#else
+  float out[16];
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<float>(p[i]);
+  return load16(out);
+#endif
 }
 
 }  // namespace orca::cpu
