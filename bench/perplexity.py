@@ -125,7 +125,8 @@ def main() -> int:
     parser.add_argument("--decode-steps", action="store_true",
                         help="ours scores each window's tokens one decode step at a time")
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
-                        choices=("auto", "int8"), help="ours with each KV cache dtype (auto always)")
+                        choices=("auto", "int8"),
+                        help="ours with each KV cache dtype (auto always)")
     parser.add_argument("--max-tokens", type=int, default=4096,
                         help="score the first N tokens of the text (0: all)")
     args = parser.parse_args()

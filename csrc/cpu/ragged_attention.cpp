@@ -75,11 +75,12 @@ at::Tensor ragged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cach
       args.k_int8 = k_cache.data_ptr<int8_t>();
       args.v_int8 = v_cache.data_ptr<int8_t>();
     }
-    dispatch_attention_kernels<scalar_t>(isa, int8_cache, [&]<cpu::AttentionIsa kIsa, bool kInt8>() {
-      dispatch_head_dim(s.head_dim, [&]<int kD>() {
-        run_attention<scalar_t, kD, kIsa, kInt8>(args, plan, part);
-      });
-    });
+    dispatch_attention_kernels<scalar_t>(
+        isa, int8_cache, [&]<cpu::AttentionIsa kIsa, bool kInt8>() {
+          dispatch_head_dim(s.head_dim, [&]<int kD>() {
+            run_attention<scalar_t, kD, kIsa, kInt8>(args, plan, part);
+          });
+        });
   });
   return out;
 }

@@ -29,7 +29,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype,
                            device: torch.device | str) -> torch.dtype:
     """The KV cache's dtype for ``kv_cache_dtype`` with activations of ``dtype`` on ``device``:
     ``"auto"`` is ``dtype``; ``"int8"`` (per token and head scales) runs on CPU; ``"fp8_e4m3"``
-    names CUDA's, not built yet. ValueError naming the value for an unknown name or a combination that does not run."""
+    names CUDA's, not built yet. ValueError naming the value for an unknown name or a
+    combination that does not run."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} is not one of "
                          f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
