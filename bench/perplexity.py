@@ -5,6 +5,7 @@ distributions from the float32 ones.
     python bench/perplexity.py [--model smollm2-135m-instruct] [--text FILE]
         [--dtypes float32 bfloat16] [--window 512] [--stride 256] [--max-tokens 4096]
         [--quantization none|stored|q8_0|q4_0|q4_1] [--decode-steps]
+        [--kv-cache-dtypes auto int8]
 
 The text defaults to the English documentation every Python ships (``pydoc_data/topics.py``).
 Each window of ``--window`` tokens (moving by ``--stride``) scores its tokens after the first
@@ -16,6 +17,8 @@ float32 distribution, for both sides. ``--quantization`` loads ours quantized (`
 GGUF file's formats as stored, the engine's default) against transformers on the dequantized
 weights: native against dequantized float32. ``--decode-steps`` scores ours one token per step
 (a window's prefill only up to its first scored position), as decoding computes them.
+``--kv-cache-dtypes auto int8`` scores ours once per KV cache dtype (``int8``: per token and head
+scales), each against the same references.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from orca_ext.kv import KVCache, SlotAllocator
+from orca_ext.kv import KVCache, SlotAllocator, resolve_kv_cache_dtype
 from orca_ext.model import AttentionMetadata, LoadedModel, load_model, save_pretrained_folder
 from orca_ext.model.loader import load_model_info
 
@@ -41,27 +44,28 @@ def default_text() -> str:
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
-def our_logits(loaded: LoadedModel, tokens: list[int]) -> torch.Tensor:
+def our_logits(loaded: LoadedModel, tokens: list[int], kv_dtype: torch.dtype) -> torch.Tensor:
     """float32 logits of every position of one window, as one prefill."""
     n = len(tokens)
     allocator = SlotAllocator(-(-n // 16), 16)
     allocator.allocate(0, n)
     meta = allocator.build_metadata([0], [0], [n])
-    kv_cache = KVCache(loaded.config, -(-n // 16), 16, loaded.dtype)
+    kv_cache = KVCache(loaded.config, -(-n // 16), 16, kv_dtype)
     with torch.inference_mode():
         hidden = loaded.model(torch.tensor(tokens), meta[4], kv_cache,
                               AttentionMetadata(*meta[:4]))
         return loaded.model.compute_logits(hidden, torch.arange(n)).float()
 
 
-def our_step_logits(loaded: LoadedModel, tokens: list[int], first: int) -> torch.Tensor:
+def our_step_logits(loaded: LoadedModel, tokens: list[int], first: int,
+                    kv_dtype: torch.dtype) -> torch.Tensor:
     """float32 logits of positions ``first`` to ``len(tokens) - 2`` of one window (the rest
     zero): the window up to ``first`` as one prefill, then one decode step per token (one-token
     steps, the path decode takes: int8 activations on avx512_vnni for a quantized model)."""
     n = len(tokens)
     allocator = SlotAllocator(-(-n // 16), 16)
     allocator.allocate(0, n)
-    kv_cache = KVCache(loaded.config, -(-n // 16), 16, loaded.dtype)
+    kv_cache = KVCache(loaded.config, -(-n // 16), 16, kv_dtype)
     out = torch.zeros(n, loaded.config.vocab_size)
     with torch.inference_mode():
         done = 0
@@ -120,6 +124,9 @@ def main() -> int:
                              "stored (stored), or quantized at load")
     parser.add_argument("--decode-steps", action="store_true",
                         help="ours scores each window's tokens one decode step at a time")
+    parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
+                        choices=("auto", "int8"),
+                        help="ours with each KV cache dtype (auto always)")
     parser.add_argument("--max-tokens", type=int, default=4096,
                         help="score the first N tokens of the text (0: all)")
     args = parser.parse_args()
@@ -147,15 +154,21 @@ def main() -> int:
                                    args.transformers_from)
             del unquantized
             quantized_side = quantization != "none"
-            sums = {"ours": [0.0, 0.0], "transformers": [0.0, 0.0]}  # nll, kl
+            kv_dtypes = {("ours" if name == "auto" else f"ours kv {name}"):
+                         resolve_kv_cache_dtype(name, loaded.dtype, "cpu")
+                         for name in dict.fromkeys(["auto", *args.kv_cache_dtypes])}
+            sums = {"transformers": [0.0, 0.0], **{side: [0.0, 0.0] for side in kv_dtypes}}
             count, start_time = 0, time.perf_counter()
             for i, (start, end, first) in enumerate(spans):
                 window = tokens[start:end]
                 targets = torch.tensor(window[first + 1:])
                 # transformers first: its float32 side is the KL reference.
-                for side, logits in (("transformers", hf_logits(hf, window)),
-                                     ("ours", our_step_logits(loaded, window, first)
-                                      if args.decode_steps else our_logits(loaded, window))):
+                sides = [("transformers", lambda: hf_logits(hf, window))]
+                sides += [(side, lambda kv=kv: our_step_logits(loaded, window, first, kv)
+                           if args.decode_steps else our_logits(loaded, window, kv))
+                          for side, kv in kv_dtypes.items()]
+                for side, compute in sides:
+                    logits = compute()
                     logp = F.log_softmax(logits[first:-1], dim=-1)
                     sums[side][0] += F.nll_loss(logp, targets, reduction="sum").item()
                     if dtype_name == "float32" and side == "transformers":
@@ -166,7 +179,7 @@ def main() -> int:
                 count += len(targets)
             seconds = time.perf_counter() - start_time
             for side, (nll, kl) in sums.items():
-                with_kl = dtype_name != "float32" or (quantized_side and side == "ours")
+                with_kl = dtype_name != "float32" or (quantized_side and side != "transformers")
                 results.append((dtype_name, side, math.exp(nll / count),
                                 kl / count if with_kl else None))
             print(f"  {dtype_name}: {count} tokens scored in {seconds:.0f} s", flush=True)
@@ -176,6 +189,10 @@ def main() -> int:
     for dtype_name, side, ppl, kl in results:
         kl_text = "-" if kl is None else f"{kl:.2e}"
         print(f"{dtype_name:<10} {side:<13} {ppl:11.4f} {kl_text:>20}")
+        if side.startswith("ours kv"):
+            base = next(p for d, s, p, _ in results if d == dtype_name and s == "ours")
+            print(f"{dtype_name}: {side} / ours perplexity = {ppl / base:.5f} "
+                  f"({(ppl / base - 1) * 100:+.3f} %)")
     by = {(d, s): p for d, s, p, _ in results}
     for dtype_name in dict.fromkeys(d for d, _, _, _ in results):
         ours, theirs = by[(dtype_name, "ours")], by[(dtype_name, "transformers")]

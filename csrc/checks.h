@@ -72,6 +72,28 @@ inline void check_rms_norm_inputs(const at::Tensor& x, const at::Tensor& weight,
   }
 }
 
+// An int8 KV cache (kv_cache_dtype "int8", CPU): [num_blocks, block_size, Hkv, D + 4], each
+// (token, KV head) row D int8 values then the row's float32 scale.
+constexpr int64_t kInt8KvScaleBytes = 4;
+
+inline bool is_int8_kv_cache(const at::Tensor& cache) { return cache.scalar_type() == at::kChar; }
+
+// The head dim a KV cache holds (an int8 cache's rows also hold their scale).
+inline int64_t kv_cache_head_dim(const at::Tensor& cache) {
+  return is_int8_kv_cache(cache) ? cache.size(3) - kInt8KvScaleBytes : cache.size(3);
+}
+
+// Whether `cache` is an int8 KV cache, checked to be one that can run (CPU, rows longer than
+// their scale).
+inline bool check_int8_kv_cache(const at::Tensor& cache, const char* name) {
+  if (!is_int8_kv_cache(cache)) return false;
+  TORCH_CHECK(cache.device().is_cpu(), name, " is an int8 KV cache, which runs on CPU only; ",
+              "got one on ", cache.device());
+  TORCH_CHECK(cache.size(3) > kInt8KvScaleBytes, "int8 ", name, " rows must hold head_dim + ",
+              kInt8KvScaleBytes, " bytes (values, then a float32 scale), got ", cache.size(3));
+  return true;
+}
+
 // Shapes and dtypes of ragged_attention's inputs; value checks (block ids, monotone offsets)
 // need the metadata on the host and are done by the CPU launcher only.
 struct AttentionShape {
@@ -88,8 +110,12 @@ inline AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tens
   check_dim(q, "q", 3, "[T, Hq, D]");
   check_dim(k_cache, "k_cache", 4, "[num_blocks, block_size, Hkv, D]");
   check_float_dtype(q, "q");
-  check_same_dtype(k_cache, "k_cache", q, "q");
-  check_same_dtype(v_cache, "v_cache", q, "q");
+  if (check_int8_kv_cache(k_cache, "k_cache")) {
+    check_same_dtype(v_cache, "v_cache", k_cache, "k_cache");
+  } else {
+    check_same_dtype(k_cache, "k_cache", q, "q");
+    check_same_dtype(v_cache, "v_cache", q, "q");
+  }
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache shape ", shape_str(v_cache),
               " must equal k_cache shape ", shape_str(k_cache));
   check_contiguous(k_cache, "k_cache");
@@ -107,8 +133,9 @@ inline AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tens
   }
   AttentionShape s{q.size(0),       q.size(1),       k_cache.size(2),      q.size(2),
                    k_cache.size(0), k_cache.size(1), context_lens.size(0), block_table.size(1)};
-  TORCH_CHECK(k_cache.size(3) == s.head_dim, "k_cache head_dim ", k_cache.size(3),
-              " must equal q head_dim ", s.head_dim);
+  TORCH_CHECK(kv_cache_head_dim(k_cache) == s.head_dim, "k_cache head_dim ",
+              kv_cache_head_dim(k_cache), " must equal q head_dim ", s.head_dim,
+              is_int8_kv_cache(k_cache) ? " (an int8 cache's rows are head_dim + 4 bytes)" : "");
   TORCH_CHECK(s.num_kv_heads > 0 && s.num_q_heads % s.num_kv_heads == 0, "q has ",
               s.num_q_heads, " heads, which is not a multiple of the cache's ", s.num_kv_heads,
               " KV heads");
@@ -130,17 +157,23 @@ inline void check_store_kv_inputs(const at::Tensor& key, const at::Tensor& value
                                   const at::Tensor& slot_mapping) {
   check_dim(key, "key", 3, "[T, Hkv, D]");
   check_dim(k_cache, "k_cache", 4, "[num_blocks, block_size, Hkv, D]");
-  check_float_dtype(k_cache, "k_cache");
+  const bool int8_cache = check_int8_kv_cache(k_cache, "k_cache");
+  if (!int8_cache) check_float_dtype(k_cache, "k_cache");
   TORCH_CHECK(value.sizes() == key.sizes(), "value shape ", shape_str(value),
               " must equal key shape ", shape_str(key));
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache shape ", shape_str(v_cache),
               " must equal k_cache shape ", shape_str(k_cache));
-  check_same_dtype(key, "key", k_cache, "k_cache");
-  check_same_dtype(value, "value", k_cache, "k_cache");
+  if (int8_cache) {  // K/V of any float dtype, quantized as they are stored
+    check_float_dtype(key, "key");
+    check_same_dtype(value, "value", key, "key");
+  } else {
+    check_same_dtype(key, "key", k_cache, "k_cache");
+    check_same_dtype(value, "value", k_cache, "k_cache");
+  }
   check_same_dtype(v_cache, "v_cache", k_cache, "k_cache");
-  TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3), "key is ",
-              shape_str(key), " but the cache holds [Hkv, D] = [", k_cache.size(2), ", ",
-              k_cache.size(3), "]");
+  TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == kv_cache_head_dim(k_cache),
+              "key is ", shape_str(key), " but the cache holds [Hkv, D] = [", k_cache.size(2),
+              ", ", kv_cache_head_dim(k_cache), "]");
   check_dim(slot_mapping, "slot_mapping", 1, "[T]");
   check_dtype(slot_mapping, "slot_mapping", at::kLong);
   TORCH_CHECK(slot_mapping.size(0) == key.size(0), "slot_mapping has ", slot_mapping.size(0),

@@ -33,15 +33,17 @@ def build_engine(config: EngineConfig) -> Engine:
     else:
         loaded = config.model
     loaded = with_context(loaded, config.max_model_len)
-    num_blocks, why = plan_kv_blocks(loaded.config, config.block_size, loaded.dtype,
+    kv_dtype = config.kv_dtype()
+    num_blocks, why = plan_kv_blocks(loaded.config, config.block_size, kv_dtype,
                                      loaded.device, config.max_batch_size, loaded.max_model_len,
                                      config.kv_cache_tokens, config.kv_cache_memory)
-    _log.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB: %s", num_blocks,
+    _log.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %.2f GiB: %s", num_blocks,
               config.block_size, num_blocks * config.block_size,
-              num_blocks * kv_bytes_per_block(loaded.config, config.block_size, loaded.dtype)
+              str(kv_dtype).removeprefix("torch."),
+              num_blocks * kv_bytes_per_block(loaded.config, config.block_size, kv_dtype)
               / 2**30, why)
     allocator = SlotAllocator(num_blocks, config.block_size)
-    kv_cache = KVCache(loaded.config, num_blocks, config.block_size, loaded.dtype, loaded.device)
+    kv_cache = KVCache(loaded.config, num_blocks, config.block_size, kv_dtype, loaded.device)
     runner = ModelRunner(loaded.model, kv_cache)
     speculator = make_speculator(config.speculative_config, loaded, config.block_size,
                                  num_blocks * config.block_size)

@@ -36,7 +36,10 @@ class EngineConfig:
     prefixes. ``quantization`` (``model/quantized.py``): None runs a GGUF file in its stored
     formats, ``"none"`` dequantizes, ``"q8_0"`` / ``"q4_0"`` / ``"q4_1"`` quantize every linear
     weight at load (CPU, one process). ``speculative_config`` (vLLM's: a dict, its JSON text or a
-    ``SpeculativeConfig``) turns on speculative decoding (``spec_decode``)."""
+    ``SpeculativeConfig``) turns on speculative decoding (``spec_decode``). ``kv_cache_dtype``
+    (``kv.resolve_kv_cache_dtype``): ``"auto"`` keeps K/V in the activations' dtype, ``"int8"``
+    stores them with a scale per token and KV head (CPU, one process), so the KV budget holds
+    more tokens."""
 
     model: str | LoadedModel = DEFAULT_MODEL
     dtype: torch.dtype | str = "auto"
@@ -54,6 +57,7 @@ class EngineConfig:
     enable_prefix_caching: bool | None = None
     quantization: str | None = None
     speculative_config: SpeculativeConfig | dict | str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device is None and not isinstance(self.model, str):
@@ -91,6 +95,10 @@ class EngineConfig:
                              f"kv_cache_memory={self.kv_cache_memory}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        self.kv_dtype()  # checks kv_cache_dtype against the dtype and device
+        if self.kv_cache_dtype != "auto" and not in_process:
+            raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} runs in one process; "
+                             "distributed workers keep the activations' dtype")
         if self.enable_prefix_caching is None:
             self.enable_prefix_caching = self.policy != "request"
         self.parallel_config = _parallel_config(self.tensor_parallel_size,
@@ -108,6 +116,12 @@ class EngineConfig:
             raise ValueError("speculative_config.method 'draft_model' runs in one process; with "
                              "tensor or pipeline parallelism use method 'ngram'")
 
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype (``kv_cache_dtype`` resolved for the model's dtype and device)."""
+        from .kv.cache import resolve_kv_cache_dtype
+
+        return resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype, self.device)
+
     @property
     def distributed(self) -> bool:
         return self.parallel_config is not None
@@ -124,6 +138,8 @@ class EngineConfig:
             what = f"{self.model}|{self.dtype}|{self.quantization}"
         else:
             what = f"{self.model.config!r}|{self.model.dtype}"
+        if self.kv_cache_dtype != "auto":
+            what += f"|kv {self.kv_cache_dtype}"
         digest = hashlib.blake2b(what.encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little", signed=True)
 

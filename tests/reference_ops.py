@@ -76,3 +76,18 @@ def ragged_attention(q, k_cache, v_cache, cu_q_lens, context_lens, block_table,
         scores.masked_fill_(hidden, -math.inf)
         out[cu[r]:cu[r + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out
+
+
+def quantize_kv_int8(x: torch.Tensor) -> torch.Tensor:
+    """Rows ``x [..., D]`` as an int8 KV cache stores them, ``[..., D + 4]``: ``round(x / s)``
+    (nearest even) then the float32 scale ``s = max |x| / 127`` as its 4 bytes."""
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, torch.round(x / scale), torch.zeros_like(x)).clamp(-127, 127)
+    return torch.cat([q.to(torch.int8), scale.contiguous().view(torch.int8)], dim=-1)
+
+
+def dequantize_kv_int8(rows: torch.Tensor) -> torch.Tensor:
+    """An int8 KV cache's rows ``[..., D + 4]`` as float64 values ``[..., D]``."""
+    scale = rows[..., -4:].contiguous().view(torch.float32).double()
+    return rows[..., :-4].double() * scale

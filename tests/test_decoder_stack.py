@@ -11,6 +11,7 @@ from orca_ext.model import load_model
 from orca_ext.model.decoder import Decoder
 from orca_ext.model.layers import AttentionMetadata, Linear
 from orca_ext.runner.decoder_stack import build_decoder_stack, stack_forward, unsupported_reason
+import reference_ops as ref
 from tiny_models import SPECS, VOCAB, make_hf_model, save_hf_model
 
 BLOCK_SIZE = 4
@@ -29,9 +30,11 @@ def model_folder(request, tmp_path_factory):
     return save_hf_model(make_hf_model(request.param), tmp_path_factory.mktemp(request.param))
 
 
-def run_both(loaded, batch: list[tuple[int, int]], seed: int = 0):
+def run_both(loaded, batch: list[tuple[int, int]], seed: int = 0,
+             kv_dtype: torch.dtype | None = None):
     """(hidden states, caches) from the model's own forward and from the fused one, each from
-    the same random caches and inputs."""
+    the same random caches (of ``kv_dtype``, default the model's) and inputs."""
+    kv_dtype = kv_dtype or loaded.dtype
     gen = torch.Generator().manual_seed(seed)
     blocks = sum(-(-(done + n) // BLOCK_SIZE) for done, n in batch) + 2
     allocator = SlotAllocator(blocks, BLOCK_SIZE)
@@ -42,14 +45,18 @@ def run_both(loaded, batch: list[tuple[int, int]], seed: int = 0):
                                                      [n for _, n in batch])
     meta = AttentionMetadata(*meta_args)
     input_ids = torch.randint(0, VOCAB, (positions.numel(),), generator=gen)
-    cache = KVCache(loaded.config, blocks, BLOCK_SIZE, loaded.dtype)
+    cache = KVCache(loaded.config, blocks, BLOCK_SIZE, kv_dtype)
     for k, v in cache:
-        k.copy_(torch.randn(k.shape, generator=gen))
-        v.copy_(torch.randn(v.shape, generator=gen))
+        for c in (k, v):
+            if kv_dtype == torch.int8:
+                c.copy_(ref.quantize_kv_int8(torch.randn(*c.shape[:-1], c.shape[-1] - 4,
+                                                         generator=gen)))
+            else:
+                c.copy_(torch.randn(c.shape, generator=gen))
     stack = build_decoder_stack(loaded.model)
     results = []
     for fused in (False, True):
-        caches = KVCache(loaded.config, blocks, BLOCK_SIZE, loaded.dtype)
+        caches = KVCache(loaded.config, blocks, BLOCK_SIZE, kv_dtype)
         for (k, v), (k0, v0) in zip(caches, cache):
             k.copy_(k0)
             v.copy_(v0)
@@ -73,6 +80,20 @@ def test_fused_blocks_match_the_models_blocks(model_folder, batch, dtype):
     assert got.dtype == dtype and got.shape == want.shape
     assert torch.equal(got, want)
     for (k_want, v_want), (k_got, v_got) in zip(want_caches, got_caches):
+        assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", ["decode_4", "mixed_8"])
+def test_fused_blocks_match_the_models_blocks_with_int8_kv(model_folder, batch, dtype):
+    """With an int8 KV cache the stack quantizes the new rows and reads the cache as store_kv
+    and ragged_attention do: the same hidden states and cache bytes."""
+    loaded = load_model(str(model_folder), dtype=dtype)
+    (want, want_caches), (got, got_caches) = run_both(loaded, BATCHES[batch],
+                                                      kv_dtype=torch.int8)
+    assert torch.equal(got, want)
+    for (k_want, v_want), (k_got, v_got) in zip(want_caches, got_caches):
+        assert k_got.dtype == torch.int8
         assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
 
 

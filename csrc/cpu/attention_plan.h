@@ -198,6 +198,15 @@ void dispatch_attention_isa(cpu::AttentionIsa isa, const F& f) {
   return f.template operator()<AttentionIsa::kPortable>();
 }
 
+// f.template operator()<kIsa, kInt8>() for the kernels of a cache: an int8 cache's on the
+// portable path (its rows are widened to float), a float cache's as dispatch_attention_isa says.
+template <typename scalar_t, typename F>
+void dispatch_attention_kernels(cpu::AttentionIsa isa, bool int8_cache, const F& f) {
+  if (int8_cache) return f.template operator()<cpu::AttentionIsa::kPortable, true>();
+  dispatch_attention_isa<scalar_t>(
+      isa, [&]<cpu::AttentionIsa kIsa>() { f.template operator()<kIsa, false>(); });
+}
+
 // f.template operator()<kD>() with the head dim as a compile-time constant where a vector
 // kernel exists for it, else kD = 0 (the scalar path).
 template <typename F>

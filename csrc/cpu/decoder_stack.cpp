@@ -68,18 +68,30 @@ void rotate_rows(scalar_t* qkv, int64_t begin, int64_t end, int64_t stride, int6
   }
 }
 
-// Rows [begin, end) of the k / v heads in qkv copied into their cache slots (negative: none).
+// Rows [begin, end) of the k / v heads in qkv written into their cache slots (negative: none):
+// copied, or quantized per (token, head) into an int8 cache's rows.
 template <typename scalar_t>
 void store_rows(const scalar_t* qkv, int64_t begin, int64_t end, const StackShape& s,
-                const int64_t* slots, scalar_t* k_cache, scalar_t* v_cache) {
-  const int64_t width = s.num_kv_heads * s.head_dim;
-  const int64_t k_off = s.num_heads * s.head_dim, v_off = k_off + width;
+                const int64_t* slots, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  const int64_t H = s.num_kv_heads, D = s.head_dim, width = H * D;
+  const int64_t k_off = s.num_heads * D, v_off = k_off + width;
+  const bool int8_cache = is_int8_kv_cache(k_cache);
   for (int64_t t = begin; t < end; ++t) {
     if (slots[t] < 0) continue;
-    std::memcpy(k_cache + slots[t] * width, qkv + t * s.qkv_width + k_off,
-                width * sizeof(scalar_t));
-    std::memcpy(v_cache + slots[t] * width, qkv + t * s.qkv_width + v_off,
-                width * sizeof(scalar_t));
+    const scalar_t* k = qkv + t * s.qkv_width + k_off;
+    const scalar_t* v = qkv + t * s.qkv_width + v_off;
+    if (int8_cache) {
+      const int64_t row_bytes = D + cpu::kInt8ScaleBytes;
+      int8_t* k_rows = k_cache.data_ptr<int8_t>() + slots[t] * H * row_bytes;
+      int8_t* v_rows = v_cache.data_ptr<int8_t>() + slots[t] * H * row_bytes;
+      for (int64_t h = 0; h < H; ++h) {
+        cpu::quantize_kv_row(k + h * D, D, k_rows + h * row_bytes);
+        cpu::quantize_kv_row(v + h * D, D, v_rows + h * row_bytes);
+      }
+    } else {
+      std::memcpy(k_cache.data_ptr<scalar_t>() + slots[t] * width, k, width * sizeof(scalar_t));
+      std::memcpy(v_cache.data_ptr<scalar_t>() + slots[t] * width, v, width * sizeof(scalar_t));
+    }
   }
 }
 
@@ -200,7 +212,7 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
   const int64_t T = s.T, H = s.hidden, D = s.head_dim;
   const int64_t L = static_cast<int64_t>(layers.size());
   // One attention plan per distinct window among the layers run.
-  const bool wide = std::is_same_v<scalar_t, c10::BFloat16> &&
+  const bool wide = std::is_same_v<scalar_t, c10::BFloat16> && !is_int8_kv_cache(a.k_caches[0]) &&
                     cpu::amx_head_dim(s.attention_isa, D);
   std::vector<int64_t> windows;
   std::vector<int64_t> plan_of(L, 0);
@@ -293,25 +305,31 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
           rotate_rows(qkv_p, 0, T, s.qkv_width, s.num_heads + s.num_kv_heads, D, a.rotary_dim,
                       a.rot_cos + table, a.rot_sin + table);
         }
-        store_rows(qkv_p, 0, T, s, a.slots, a.k_caches[l].template data_ptr<scalar_t>(),
-                   a.v_caches[l].template data_ptr<scalar_t>());
+        store_rows(qkv_p, 0, T, s, a.slots, a.k_caches[l], a.v_caches[l]);
       }
 #pragma omp barrier
       const Plan& plan = plans[plan_of[l]];
       const auto items = static_cast<int64_t>(plan.items.size());
       const auto merges = static_cast<int64_t>(plan.merges.size());
-      const cpu::AttentionArgs<scalar_t> args{
-          qkv_p, s.qkv_width, D, a.k_caches[l].template data_ptr<scalar_t>(),
-          a.v_caches[l].template data_ptr<scalar_t>(), attn_p, a.cu, a.ctx, a.block_table,
-          as.max_blocks, as.block_size, s.num_heads, s.num_kv_heads, D,
+      const bool int8_cache = is_int8_kv_cache(a.k_caches[l]);
+      cpu::AttentionArgs<scalar_t> args{
+          qkv_p, s.qkv_width, D,
+          int8_cache ? nullptr : a.k_caches[l].template data_ptr<scalar_t>(),
+          int8_cache ? nullptr : a.v_caches[l].template data_ptr<scalar_t>(), attn_p, a.cu,
+          a.ctx, a.block_table, as.max_blocks, as.block_size, s.num_heads, s.num_kv_heads, D,
           static_cast<float>(w.scale), w.window};
-      dispatch_attention_isa<scalar_t>(s.attention_isa, [&]<cpu::AttentionIsa kIsa>() {
-        dispatch_head_dim(D, [&]<int kD>() {
-          for (int64_t i = next[2 * l]++; i < items; i = next[2 * l]++) {
-            cpu::attend<kD, kIsa>(args, plan.items[i], scratch, part);
-          }
-        });
-      });
+      if (int8_cache) {
+        args.k_int8 = a.k_caches[l].template data_ptr<int8_t>();
+        args.v_int8 = a.v_caches[l].template data_ptr<int8_t>();
+      }
+      dispatch_attention_kernels<scalar_t>(
+          s.attention_isa, int8_cache, [&]<cpu::AttentionIsa kIsa, bool kInt8>() {
+            dispatch_head_dim(D, [&]<int kD>() {
+              for (int64_t i = next[2 * l]++; i < items; i = next[2 * l]++) {
+                cpu::attend<kD, kIsa, kInt8>(args, plan.items[i], scratch, part);
+              }
+            });
+          });
       if (merges > 0) {
 #pragma omp barrier
         for (int64_t i = next[2 * l + 1]++; i < merges; i = next[2 * l + 1]++) {
@@ -592,7 +610,8 @@ at::Tensor DecoderStack::run(const at::Tensor& x_in, const std::vector<at::Tenso
     for (const at::Tensor* cache : {&k_caches[l], &v_caches[l]}) {
       TORCH_CHECK(cache->sizes() == k_caches[0].sizes() &&
                       cache->strides() == k_caches[0].strides() &&
-                      cache->scalar_type() == x_in.scalar_type() && cache->device().is_cpu(),
+                      cache->scalar_type() == k_caches[0].scalar_type() &&
+                      cache->device().is_cpu(),
                   "layer ", l, "'s KV cache is ", cache->scalar_type(), " ", shape_str(*cache),
                   " on ", cache->device(), "; every layer's must match layer 0's k_cache (",
                   k_caches[0].scalar_type(), " ", shape_str(k_caches[0]), " on ",

@@ -25,12 +25,12 @@ void run_dynamic(int64_t n, bool parallel, const F& fn) {
   });
 }
 
-template <typename scalar_t, int kD, cpu::AttentionIsa kIsa>
+template <typename scalar_t, int kD, cpu::AttentionIsa kIsa, bool kInt8>
 void run_attention(const cpu::AttentionArgs<scalar_t>& args, const Plan& plan,
                    const cpu::Partials& part) {
   run_dynamic(static_cast<int64_t>(plan.items.size()), plan.parallel, [&](int64_t i) {
     thread_local cpu::AttentionScratch scratch;
-    cpu::attend<kD, kIsa>(args, plan.items[i], scratch, part);
+    cpu::attend<kD, kIsa, kInt8>(args, plan.items[i], scratch, part);
   });
   // A few merges (decodes) run on this thread: cheaper than a second fork-join.
   const bool parallel_merges = plan.parallel && plan.merge_cost > kMinParallelMergeRows;
@@ -56,22 +56,31 @@ at::Tensor ragged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cach
   if (s.num_tokens == 0) return out;
 
   const cpu::AttentionIsa isa = chosen_attention_isa();
-  const bool wide = q.scalar_type() == at::kBFloat16 && cpu::amx_head_dim(isa, s.head_dim);
+  const bool int8_cache = is_int8_kv_cache(k_cache);
+  const bool wide =
+      !int8_cache && q.scalar_type() == at::kBFloat16 && cpu::amx_head_dim(isa, s.head_dim);
   const Plan plan = make_plan(s, cu, ctx, wide, window);
   at::Tensor part_o = at::empty({plan.partial_rows, s.head_dim}, q.options().dtype(at::kFloat));
   at::Tensor part_ml = at::empty({2, plan.partial_rows}, q.options().dtype(at::kFloat));
   const cpu::Partials part{part_o.data_ptr<float>(), part_ml.data_ptr<float>(),
                            part_ml.data_ptr<float>() + plan.partial_rows};
   ORCA_DISPATCH_FLOAT_TYPES(q.scalar_type(), "ragged_attention", [&] {
-    const cpu::AttentionArgs<scalar_t> args{
+    cpu::AttentionArgs<scalar_t> args{
         q.data_ptr<scalar_t>(), q.stride(0), q.stride(1),
-        k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+        int8_cache ? nullptr : k_cache.data_ptr<scalar_t>(),
+        int8_cache ? nullptr : v_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
         cu, ctx, block_table.data_ptr<int32_t>(), s.max_blocks, s.block_size,
         s.num_q_heads, s.num_kv_heads, s.head_dim, static_cast<float>(scale), window};
-    dispatch_attention_isa<scalar_t>(isa, [&]<cpu::AttentionIsa kIsa>() {
-      dispatch_head_dim(s.head_dim,
-                        [&]<int kD>() { run_attention<scalar_t, kD, kIsa>(args, plan, part); });
-    });
+    if (int8_cache) {
+      args.k_int8 = k_cache.data_ptr<int8_t>();
+      args.v_int8 = v_cache.data_ptr<int8_t>();
+    }
+    dispatch_attention_kernels<scalar_t>(
+        isa, int8_cache, [&]<cpu::AttentionIsa kIsa, bool kInt8>() {
+          dispatch_head_dim(s.head_dim, [&]<int kD>() {
+            run_attention<scalar_t, kD, kIsa, kInt8>(args, plan, part);
+          });
+        });
   });
   return out;
 }

@@ -1,4 +1,5 @@
-// store_kv on CPU: copy each new token's K/V rows into its slot of the paged cache.
+// store_kv on CPU: copy each new token's K/V rows into its slot of the paged cache, or
+// quantize them into an int8 cache's rows (orca/cpu/kv_int8.h).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -6,6 +7,7 @@
 #include <cstring>
 
 #include "checks.h"
+#include "orca/cpu/kv_int8.h"
 
 namespace orca {
 namespace {
@@ -22,6 +24,28 @@ void store_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(slot[t] < num_slots, "slot_mapping[", t, "] = ", slot[t],
                 " is out of range for a cache of ", num_slots, " slots");
+  }
+  if (is_int8_kv_cache(k_cache)) {
+    const int64_t row_bytes = D + cpu::kInt8ScaleBytes;
+    ORCA_DISPATCH_FLOAT_TYPES(key.scalar_type(), "store_kv", [&] {
+      auto quantize_rows = [&](const at::Tensor& src, at::Tensor& cache) {
+        const scalar_t* base = src.data_ptr<scalar_t>();
+        auto* dst = cache.data_ptr<int8_t>();
+        at::parallel_for(0, T, std::max<int64_t>(1, 16384 / (H * D)), [&](int64_t begin,
+                                                                          int64_t end) {
+          for (int64_t t = begin; t < end; ++t) {
+            if (slot[t] < 0) continue;
+            for (int64_t h = 0; h < H; ++h) {
+              cpu::quantize_kv_row(base + t * src.stride(0) + h * src.stride(1), D,
+                                   dst + (slot[t] * H + h) * row_bytes);
+            }
+          }
+        });
+      };
+      quantize_rows(key, k_cache);
+      quantize_rows(value, v_cache);
+    });
+    return;
   }
   const int64_t row_bytes = D * key.element_size();
   auto copy_rows = [&](const at::Tensor& src, at::Tensor& cache) {

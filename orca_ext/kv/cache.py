@@ -19,10 +19,47 @@ DEFAULT_KV_CAP_BYTES = 4 * 2**30
 DEFAULT_KV_SHARE = 0.5
 
 
+# kv_cache_dtype names (vLLM's) and the cache dtype each gives; "auto" is the activations'.
+KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+# An int8 cache's row (one token's K or V of one KV head) ends in its float32 scale.
+INT8_SCALE_BYTES = 4
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype,
+                           device: torch.device | str) -> torch.dtype:
+    """The KV cache's dtype for ``kv_cache_dtype`` with activations of ``dtype`` on ``device``:
+    ``"auto"`` is ``dtype``; ``"int8"`` (per token and head scales) runs on CPU; ``"fp8_e4m3"``
+    names CUDA's, not built yet. ValueError naming the value for an unknown name or a
+    combination that does not run."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} is not one of "
+                         f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
+    device_type = torch.device(device).type
+    if kv_cache_dtype == "auto":
+        return dtype
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} needs float32, bfloat16 or "
+                         f"float16 activations, got {dtype}")
+    wanted = {"int8": "cpu", "fp8_e4m3": "cuda"}[kv_cache_dtype]
+    if device_type != wanted:
+        raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} runs on {wanted} only, got "
+                         f"device {device_type!r}")
+    if kv_cache_dtype == "fp8_e4m3":
+        raise ValueError("kv_cache_dtype: 'fp8_e4m3' is not implemented yet (the CUDA attention "
+                         "kernels read float caches only)")
+    return KV_CACHE_DTYPES[kv_cache_dtype]
+
+
+def kv_row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one (token, KV head) row in a cache of ``dtype``: ``head_dim``, and for int8
+    the row's float32 scale after its values."""
+    return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, keys and values."""
-    return (2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim
-            * dtype.itemsize)
+    """Bytes one block takes across all layers, keys and values (an int8 cache's scales too)."""
+    return (2 * config.num_layers * block_size * config.num_kv_heads
+            * kv_row_width(config.head_dim, dtype) * dtype.itemsize)
 
 
 def num_kv_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype,
@@ -116,7 +153,8 @@ def _gib(nbytes: int) -> str:
 class KVCache:
     """``len(cache)`` layers; ``cache[i]`` is layer i's ``(k_cache, v_cache)``, each
     ``[num_blocks, block_size, num_kv_heads, head_dim]`` (views of one zeroed allocation, on
-    huge pages on CPU); ``keys`` / ``values`` list every layer's k / v cache."""
+    huge pages on CPU); ``keys`` / ``values`` list every layer's k / v cache. An int8 cache's rows
+    are ``head_dim + 4`` bytes: the values, then the row's float32 scale."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
@@ -125,7 +163,7 @@ class KVCache:
                              f"{block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads,
-                 config.head_dim)
+                 kv_row_width(config.head_dim, dtype))
         if torch.device(device).type == "cpu":
             nbytes = math.prod(shape) * dtype.itemsize
             self.storage = huge_page_empty(nbytes).view(dtype).view(shape).zero_()

@@ -32,6 +32,7 @@
 #endif
 
 #include "orca/cpu/attention_amx.h"
+#include "orca/cpu/kv_int8.h"
 #include "orca/cpu/lanes_linear.h"
 #include "orca/cpu/math.h"
 #include "orca/cpu/vec.h"
@@ -52,7 +53,22 @@ struct AttentionArgs {
   float scale;
   // Sliding window: the query at position p sees keys (p - window, p]; 0: every key up to p.
   int64_t window;
+  // An int8 cache (then k_cache and v_cache are null): [num_blocks, block_size, Hkv, D + 4],
+  // rows as kv_int8.h lays them out.
+  const int8_t* k_int8 = nullptr;
+  const int8_t* v_int8 = nullptr;
 };
+
+// A cache row of D values (an int8 row: dequantized) written to out[d * out_stride].
+template <typename cache_t>
+inline void widen_row(const cache_t* row, int64_t D, float* out, int64_t out_stride = 1) {
+  if constexpr (std::is_same_v<cache_t, int8_t>) {
+    const float scale = int8_row_scale(row, D);
+    for (int64_t d = 0; d < D; ++d) out[d * out_stride] = static_cast<float>(row[d]) * scale;
+  } else {
+    for (int64_t d = 0; d < D; ++d) out[d * out_stride] = static_cast<float>(row[d]);
+  }
+}
 
 // The first key position the query at `pos` sees under `window` (0: no window).
 inline int64_t window_start(int64_t pos, int64_t window) {
@@ -270,10 +286,12 @@ inline const float* float_row(const scalar_t* src, float* tmp) {
 
 // Asks for one key's K or V row (row: its first head) to be brought into L2 ahead of use:
 // every other cache line, the hardware's adjacent-line prefetch fetching the rest.
-template <int kD, typename scalar_t>
-inline void prefetch_row(const scalar_t* row, int64_t num_heads) {
+template <int kD, typename cache_t>
+inline void prefetch_row(const cache_t* row, int64_t num_heads) {
   const char* bytes = reinterpret_cast<const char*>(row);
-  const int64_t size = num_heads * kD * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t size = std::is_same_v<cache_t, int8_t>
+                           ? num_heads * (kD + kInt8ScaleBytes)
+                           : num_heads * kD * static_cast<int64_t>(sizeof(cache_t));
   for (int64_t b = 0; b < size; b += 128) __builtin_prefetch(bytes + b, 0, 2);
 }
 
@@ -337,6 +355,69 @@ inline void direct_pv(const scalar_t* va_row, int64_t ja, const scalar_t* vb_row
       }
     }
   });
+}
+
+// direct_scores over int8 rows (heads kD + 4 bytes apart): the dot products with the int8
+// values widened in registers, times the row's scale.
+template <int kD>
+inline void direct_scores_int8(const int8_t* ka_row, int64_t ja, const int8_t* kb_row,
+                               int64_t jb, int64_t num_heads, int64_t head_rows, const float* q,
+                               float* p) {
+  constexpr int kNV = kD / 16;
+  constexpr int64_t kRow = kD + kInt8ScaleBytes;
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const int8_t* a_h = ka_row + h * kRow;
+    const int8_t* b_h = kb_row + h * kRow;
+    vec16 ka[kNV], kb[kNV];
+    for (int c = 0; c < kNV; ++c) {
+      ka[c] = load16_int8(a_h + 16 * c);
+      kb[c] = load16_int8(b_h + 16 * c);
+    }
+    const float scale_a = int8_row_scale(a_h, kD), scale_b = int8_row_scale(b_h, kD);
+    for (int64_t r = 0; r < head_rows; ++r) {
+      const int64_t row = h * head_rows + r;
+      const float* qr = q + row * kD;
+      vec16 ta = load16(qr) * ka[0], tb = load16(qr) * kb[0];
+      for (int c = 1; c < kNV; ++c) {
+        const vec16 qv = load16(qr + 16 * c);
+        ta += qv * ka[c];
+        tb += qv * kb[c];
+      }
+      float sa, sb;
+      hsum2(ta, tb, sa, sb);
+      p[row * kKvTile + ja] = sa * scale_a;
+      if (jb >= 0) p[row * kKvTile + jb] = sb * scale_b;
+    }
+  }
+}
+
+// direct_pv over int8 rows: each key's probability times its V row's scale weighs the int8
+// values widened in registers.
+template <int kD>
+inline void direct_pv_int8(const int8_t* va_row, int64_t ja, const int8_t* vb_row, int64_t jb,
+                           int64_t num_heads, int64_t head_rows, const float* p, float* acc) {
+  constexpr int kNV = kD / 16;
+  constexpr int64_t kRow = kD + kInt8ScaleBytes;
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const int8_t* a_h = va_row + h * kRow;
+    const int8_t* b_h = vb_row + h * kRow;
+    vec16 va[kNV], vb[kNV];
+    for (int c = 0; c < kNV; ++c) {
+      va[c] = load16_int8(a_h + 16 * c);
+      vb[c] = load16_int8(b_h + 16 * c);
+    }
+    const float scale_a = int8_row_scale(a_h, kD);
+    const float scale_b = jb < 0 ? 0.f : int8_row_scale(b_h, kD);
+    for (int64_t r = 0; r < head_rows; ++r) {
+      const int64_t row = h * head_rows + r;
+      const float pa = p[row * kKvTile + ja] * scale_a;
+      const float pb = jb < 0 ? 0.f : p[row * kKvTile + jb] * scale_b;
+      float* o = acc + row * kD;
+      for (int c = 0; c < kNV; ++c) {
+        store16(o + 16 * c, load16(o + 16 * c) + pa * va[c] + pb * vb[c]);
+      }
+    }
+  }
 }
 
 // Online-softmax step of one tile's scores p (row r of each head sees the tile's keys
@@ -500,8 +581,8 @@ void write_rows(const AttentionArgs<scalar_t>& a, const AttentionWork& w, int64_
 // Rows [row_begin, row_begin + count) of KV head h's rows of a prefill-like item (count <=
 // 16 * kRV) against the item's KV range, as vector lanes; leaves their (acc, m, l) in sc.acc,
 // sc.m and sc.l at the item's row numbers, row_base being the head's first. kBf16Dot: the
-// bfloat16 pair kernels (scalar_t is bfloat16).
-template <int kD, int kRV, bool kBf16Dot, typename scalar_t>
+// bfloat16 pair kernels (scalar_t is bfloat16); kInt8: an int8 cache, rows dequantized.
+template <int kD, int kRV, bool kBf16Dot, bool kInt8, typename scalar_t>
 void attend_lanes(const AttentionArgs<scalar_t>& a, const AttentionWork& w, int64_t h,
                   int64_t row_base, int64_t row_begin, int64_t count, int64_t first_pos,
                   AttentionScratch& sc) {
@@ -553,7 +634,7 @@ void attend_lanes(const AttentionArgs<scalar_t>& a, const AttentionWork& w, int6
   if constexpr (kBf16Dot) {
     sc.p_pairs.resize(kKvTile / 2 * W);
     sc.v_pairs.resize(kKvTile / 2 * kD);
-  } else if constexpr (!std::is_same_v<scalar_t, float>) {
+  } else if constexpr (kInt8 || !std::is_same_v<scalar_t, float>) {
     sc.k_float.resize(kKvTile * kD);
     sc.v_float.resize(kKvTile * kD);
   }
@@ -567,9 +648,15 @@ void attend_lanes(const AttentionArgs<scalar_t>& a, const AttentionWork& w, int6
     const int64_t nt_padded = (nt + kKeysPerStep - 1) / kKeysPerStep * kKeysPerStep;
     for (int64_t j = 0; j < nt; ++j) {
       const int64_t t = t0 + j;
-      const int64_t offset = ((static_cast<int64_t>(blocks[t / a.block_size]) * a.block_size +
-                               t % a.block_size) * Hkv + h) * kD;
-      if constexpr (kBf16Dot) {
+      const int64_t row = (static_cast<int64_t>(blocks[t / a.block_size]) * a.block_size +
+                           t % a.block_size) * Hkv + h;
+      const int64_t offset = row * kD;
+      if constexpr (kInt8) {
+        widen_row(a.k_int8 + row * (kD + kInt8ScaleBytes), kD, sc.k_float.data() + j * kD);
+        widen_row(a.v_int8 + row * (kD + kInt8ScaleBytes), kD, sc.v_float.data() + j * kD);
+        k_rows[j] = sc.k_float.data() + j * kD;
+        v_rows[j] = sc.v_float.data() + j * kD;
+      } else if constexpr (kBf16Dot) {
         k_rows[j] = reinterpret_cast<const uint16_t*>(a.k_cache + offset);
         v_rows[j] = reinterpret_cast<const uint16_t*>(a.v_cache + offset);
       } else {
@@ -875,12 +962,14 @@ void attend_lanes_amx(const AttentionArgs<scalar_t>& a, const AttentionWork& w, 
 
 // kD > 0 (a multiple of 16) fixes head_dim at compile time for the vector paths; 0 runs the
 // scalar path with a.head_dim. kIsa: prefill-like items' kernels (bfloat16 only for the bf16
-// pair and AMX ones; AMX for kD a multiple of 32, else the pair kernels).
-template <int kD, AttentionIsa kIsa, typename scalar_t>
+// pair and AMX ones; AMX for kD a multiple of 32, else the pair kernels). kInt8: the cache is
+// int8 (a.k_int8, a.v_int8), read by the direct and float-lane kernels (kIsa portable).
+template <int kD, AttentionIsa kIsa, bool kInt8 = false, typename scalar_t>
 void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionScratch& sc,
             const Partials& part) {
   static_assert(kD % 16 == 0);
   static_assert(kIsa == AttentionIsa::kPortable || sizeof(scalar_t) == 2);
+  static_assert(!kInt8 || kIsa == AttentionIsa::kPortable);
   constexpr bool kBf16Dot = kIsa != AttentionIsa::kPortable;
   [[maybe_unused]] constexpr bool kAmx = kIsa == AttentionIsa::kAmx && kD > 0 && kD % 32 == 0;
   const int64_t D = kD > 0 ? kD : a.head_dim;
@@ -910,7 +999,8 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
             }
 #endif
             if constexpr (kRV <= 4) {
-              attend_lanes<kD, kRV, kBf16Dot>(a, w, h, row_base, r0, count, first_pos, sc);
+              attend_lanes<kD, kRV, kBf16Dot, kInt8>(a, w, h, row_base, r0, count, first_pos,
+                                                     sc);
             }
           };
           switch ((count + 15) / 16) {
@@ -940,12 +1030,24 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
     for (int64_t d = 0; d < D; ++d) qs[row * D + d] = static_cast<float>(src[d]) * a.scale;
   }
   sc.p.resize(rows * kKvTile);
+  // The cache's elements: the model's dtype, or int8 rows of D values and a scale.
+  using cache_t = std::conditional_t<kInt8, int8_t, scalar_t>;
+  const int64_t row_stride = kInt8 ? D + kInt8ScaleBytes : D;  // cache elements per row
+  const cache_t* k_cache;
+  const cache_t* v_cache;
+  if constexpr (kInt8) {
+    k_cache = a.k_int8;
+    v_cache = a.v_int8;
+  } else {
+    k_cache = a.k_cache;
+    v_cache = a.v_cache;
+  }
   // KV slot offsets of tile positions.
   const auto slot_offsets = [&](int64_t t0, int64_t nt, int64_t* offset) {
     for (int64_t j = 0; j < nt; ++j) {
       const int64_t pos = t0 + j;
       offset[j] = (static_cast<int64_t>(blocks[pos / a.block_size]) * a.block_size +
-                   pos % a.block_size) * Hkv * D;
+                   pos % a.block_size) * Hkv * row_stride;
     }
   };
   // The tile's keys [first, end) a query sees: positions up to its own (causal), from its
@@ -965,8 +1067,8 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
     // 16). Each of these, and the vectorized softmax, made the kernel faster on cold caches;
     // four streams (tile quarters), four keys at a time, one head at a time across the tile
     // (strided reads) and pipelining tile i's K pass with tile i-1's V pass were slower.
-    const scalar_t* k_tile = a.k_cache + w.kv_head_begin * kD;
-    const scalar_t* v_tile = a.v_cache + w.kv_head_begin * kD;
+    const cache_t* k_tile = k_cache + w.kv_head_begin * row_stride;
+    const cache_t* v_tile = v_cache + w.kv_head_begin * row_stride;
     const int64_t num_heads = w.kv_head_end - w.kv_head_begin;
     const auto visit = [](int64_t i, int64_t n) { return i / 2 + (i % 2) * ((n + 1) / 2); };
     float* p = sc.p.data();
@@ -982,8 +1084,13 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
         const int64_t ja = visit(i, nt), jb = i + 1 < nt ? visit(i + 1, nt) : -1;
         prefetch_row<kD>(v_tile + offset[ja], num_heads);
         if (jb >= 0) prefetch_row<kD>(v_tile + offset[jb], num_heads);
-        direct_scores<kD>(k_tile + offset[ja], ja, k_tile + offset[jb < 0 ? ja : jb], jb,
-                          num_heads, head_rows, qs, p);
+        if constexpr (kInt8) {
+          direct_scores_int8<kD>(k_tile + offset[ja], ja, k_tile + offset[jb < 0 ? ja : jb], jb,
+                                 num_heads, head_rows, qs, p);
+        } else {
+          direct_scores<kD>(k_tile + offset[ja], ja, k_tile + offset[jb < 0 ? ja : jb], jb,
+                            num_heads, head_rows, qs, p);
+        }
       }
       int64_t first[kMaxDirectRows], end[kMaxDirectRows];
       for (int64_t r = 0; r < head_rows; ++r) visible(r, t0, nt, first[r], end[r]);
@@ -995,8 +1102,13 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
           prefetch_row<kD>(k_tile + next_offset[visit(n, next_count)], num_heads);
         }
         const int64_t ja = visit(i, count), jb = i + 1 < count ? visit(i + 1, count) : -1;
-        direct_pv<kD>(v_tile + offset[ja], ja, v_tile + offset[jb < 0 ? ja : jb], jb, num_heads,
-                      head_rows, p, sc.acc.data());
+        if constexpr (kInt8) {
+          direct_pv_int8<kD>(v_tile + offset[ja], ja, v_tile + offset[jb < 0 ? ja : jb], jb,
+                             num_heads, head_rows, p, sc.acc.data());
+        } else {
+          direct_pv<kD>(v_tile + offset[ja], ja, v_tile + offset[jb < 0 ? ja : jb], jb,
+                        num_heads, head_rows, p, sc.acc.data());
+        }
       }
       std::copy_n(next_offset, next_count, offset);
     }
@@ -1011,12 +1123,8 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
       slot_offsets(t0, nt, slot_offset);
       for (int64_t h = w.kv_head_begin; h < w.kv_head_end; ++h) {
         for (int64_t j = 0; j < nt; ++j) {
-          const scalar_t* k_row = a.k_cache + slot_offset[j] + h * D;
-          const scalar_t* v_row = a.v_cache + slot_offset[j] + h * D;
-          for (int64_t d = 0; d < D; ++d) {
-            sc.k_t[d * kKvTile + j] = static_cast<float>(k_row[d]);
-            sc.v[j * D + d] = static_cast<float>(v_row[d]);
-          }
+          widen_row(k_cache + slot_offset[j] + h * row_stride, D, sc.k_t.data() + j, kKvTile);
+          widen_row(v_cache + slot_offset[j] + h * row_stride, D, sc.v.data() + j * D);
         }
         for (int64_t r = 0; r < head_rows; ++r) {
           const int64_t row = (h - w.kv_head_begin) * head_rows + r;
