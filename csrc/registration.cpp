@@ -20,6 +20,8 @@ TORCH_LIBRARY(orca, m) {
         "Tensor slot_mapping) -> ()");
   m.def("ragged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_q_lens, "
         "Tensor context_lens, Tensor block_table, float scale, int window=0) -> Tensor");
+  m.def("lora_linear(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor scales, "
+        "Tensor cu_seg_lens, Tensor seg_slots) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual=None) -> Tensor");
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor? indices=None) -> ()");
   // A model's decoder blocks prepared once for decode steps on the CPU (cpu/decoder_stack.h).

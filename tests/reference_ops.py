@@ -76,3 +76,18 @@ def ragged_attention(q, k_cache, v_cache, cu_q_lens, context_lens, block_table,
         scores.masked_fill_(hidden, -math.inf)
         out[cu[r]:cu[r + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out
+
+
+def lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                scales: torch.Tensor, cu_seg_lens: torch.Tensor,
+                seg_slots: torch.Tensor) -> torch.Tensor:
+    """float64 ``y`` plus, per segment with a slot, ``scale * (x @ A^T) @ B^T`` (``lora_b`` is
+    B transposed)."""
+    out = y.double().clone()
+    for s, slot in enumerate(seg_slots.tolist()):
+        if slot < 0:
+            continue
+        rows = slice(int(cu_seg_lens[s]), int(cu_seg_lens[s + 1]))
+        out[rows] += scales[slot].double() * (x[rows].double() @ lora_a[slot].double().t()) \
+            @ lora_b[slot].double()
+    return out

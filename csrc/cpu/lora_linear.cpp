@@ -1,0 +1,98 @@
+// lora_linear on CPU: each run of rows sharing an adapter slot gets that slot's low-rank delta
+// (orca/cpu/lora.h's row kernel), rows split across the intra-op threads. A row's result does not
+// depend on the split. x and y of bfloat16 / float16 are widened to float32 rows for the kernel
+// and the sums rounded once into y.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <vector>
+
+#include "lora_checks.h"
+#include "orca/cpu/lora.h"
+
+namespace orca {
+namespace {
+
+using cpu::lora::Isa;
+
+Isa chosen_lora_isa() {
+  const char* forced = std::getenv("ORCA_LORA_ISA");
+  if (forced == nullptr || *forced == '\0') return cpu::lora::best_isa();
+  for (const auto& [name, isa] : cpu::lora::kIsaNames) {
+    if (std::string(forced) != name) continue;
+    TORCH_CHECK(cpu::lora::isa_supported(isa), "ORCA_LORA_ISA=", forced,
+                " but this CPU does not support that path");
+    return isa;
+  }
+  TORCH_CHECK(false, "ORCA_LORA_ISA must be one of 'portable', 'avx2', 'avx512', got '", forced,
+              "'");
+}
+
+// The row of each token that has an adapter and its slot, from the segments (checked here).
+std::vector<std::pair<int64_t, int32_t>> adapter_rows(const at::Tensor& cu_seg_lens,
+                                                      const at::Tensor& seg_slots, int64_t T,
+                                                      int64_t num_slots) {
+  const int32_t* cu = cu_seg_lens.data_ptr<int32_t>();
+  const int32_t* slots = seg_slots.data_ptr<int32_t>();
+  const int64_t S = seg_slots.size(0);
+  TORCH_CHECK(cu[0] == 0, "cu_seg_lens[0] must be 0, got ", cu[0]);
+  TORCH_CHECK(cu[S] == T, "cu_seg_lens[-1] must equal the ", T, " rows of x, got ", cu[S]);
+  std::vector<std::pair<int64_t, int32_t>> rows;
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(cu[s + 1] >= cu[s], "cu_seg_lens must not decrease, got ", cu[s], " then ",
+                cu[s + 1], " at index ", s);
+    TORCH_CHECK(slots[s] >= -1 && slots[s] < num_slots, "seg_slots[", s, "] = ", slots[s],
+                " is outside [-1, ", num_slots, ")");
+    if (slots[s] < 0) continue;
+    for (int64_t r = cu[s]; r < cu[s + 1]; ++r) rows.emplace_back(r, slots[s]);
+  }
+  return rows;
+}
+
+void lora_linear_cpu(at::Tensor& y, const at::Tensor& x_in, const at::Tensor& lora_a_in,
+                     const at::Tensor& lora_b_in, const at::Tensor& scales_in,
+                     const at::Tensor& cu_seg_lens_in, const at::Tensor& seg_slots_in) {
+  check_lora_linear_inputs(y, x_in, lora_a_in, lora_b_in, scales_in, cu_seg_lens_in,
+                           seg_slots_in);
+  const int64_t T = x_in.size(0), K = x_in.size(1), N = y.size(1);
+  const int64_t L = lora_a_in.size(0), R = lora_a_in.size(1);
+  const auto rows = adapter_rows(cu_seg_lens_in.contiguous(), seg_slots_in.contiguous(), T, L);
+  if (rows.empty() || R == 0 || N == 0) return;
+  const Isa isa = chosen_lora_isa();
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor a = lora_a_in.contiguous(), b_t = lora_b_in.contiguous();
+  const at::Tensor scales = scales_in.contiguous();
+  const bool in_place = y.scalar_type() == at::kFloat;
+  at::Tensor acc = in_place ? y : y.to(at::kFloat);
+  const float* xp = x.data_ptr<float>();
+  const float* ap = a.data_ptr<float>();
+  const float* bp = b_t.data_ptr<float>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = acc.data_ptr<float>();
+  // A row costs R * (K + N) multiply-adds: a task of a few rows pays for a fork-join.
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, R * (K + N)));
+  at::parallel_for(0, static_cast<int64_t>(rows.size()), grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> shrink(R);
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [r, slot] = rows[i];
+      cpu::lora::add_row_delta(isa, xp + r * K, K, ap + slot * R * K, R, bp + slot * R * N, N,
+                               sp[slot], shrink.data(), yp + r * N);
+    }
+  });
+  if (!in_place) y.copy_(acc);
+}
+
+}  // namespace
+
+std::vector<std::string> lora_isa_names() {
+  std::vector<std::string> names;
+  for (const auto& [name, isa] : cpu::lora::kIsaNames) {
+    if (cpu::lora::isa_supported(isa)) names.emplace_back(name);
+  }
+  return names;
+}
+
+TORCH_LIBRARY_IMPL(orca, CPU, m) { m.impl("lora_linear", &lora_linear_cpu); }
+
+}  // namespace orca
