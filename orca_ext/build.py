@@ -41,7 +41,13 @@ def build_engine(config: EngineConfig) -> Engine:
               / 2**30, why)
     allocator = SlotAllocator(num_blocks, config.block_size)
     kv_cache = KVCache(loaded.config, num_blocks, config.block_size, loaded.dtype, loaded.device)
-    runner = ModelRunner(loaded.model, kv_cache)
+    lora_manager = None
+    if config.enable_lora:
+        from .lora.manager import LoRAManager
+
+        lora_manager = LoRAManager(loaded.model, config.max_loras, config.max_lora_rank,
+                                   config.max_cpu_loras)
+    runner = ModelRunner(loaded.model, kv_cache, lora_manager=lora_manager)
     engine = Engine(runner, make_scheduler(config.scheduler_config(), allocator),
                     max_model_len=loaded.max_model_len, tokenizer=loaded.tokenizer,
                     eos_token_ids=loaded.eos_token_ids, vocab_size=loaded.config.vocab_size,

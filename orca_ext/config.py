@@ -34,7 +34,9 @@ class EngineConfig:
     paged policies, off for request, which cannot use it) reuses the KV of cached prompt
     prefixes. ``quantization`` (``model/quantized.py``): None runs a GGUF file in its stored
     formats, ``"none"`` dequantizes, ``"q8_0"`` / ``"q4_0"`` / ``"q4_1"`` quantize every linear
-    weight at load (CPU, one process)."""
+    weight at load (CPU, one process). ``enable_lora`` serves LoRA adapters (``lora/``, one
+    process): up to ``max_loras`` of them in one batch, of rank up to ``max_lora_rank``, and the
+    tensors of ``max_cpu_loras`` (default ``max_loras``) kept on the CPU."""
 
     model: str | LoadedModel = DEFAULT_MODEL
     dtype: torch.dtype | str = "auto"
@@ -51,6 +53,10 @@ class EngineConfig:
     parallel_config: ParallelConfig | None = None
     enable_prefix_caching: bool | None = None
     quantization: str | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.device is None and not isinstance(self.model, str):
@@ -98,7 +104,21 @@ class EngineConfig:
             if not isinstance(self.model, str):
                 raise ValueError("model: distributed workers load the weights themselves; pass "
                                  "a built-in name or a model path, not a loaded model")
+        self._check_lora()
         self.scheduler_config()  # checks the policy and its limits
+
+    def _check_lora(self) -> None:
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+        if self.enable_lora and self.distributed:
+            raise ValueError("enable_lora runs in one process; tensor and pipeline parallel "
+                             "workers do not load adapters")
 
     @property
     def distributed(self) -> bool:
@@ -107,7 +127,8 @@ class EngineConfig:
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.policy, self.max_batch_size, self.pipeline_parallel_size,
                                self.max_num_batched_tokens, bool(self.enable_prefix_caching),
-                               self.prefix_cache_salt())
+                               self.prefix_cache_salt(),
+                               self.max_loras if self.enable_lora else 0)
 
     def prefix_cache_salt(self) -> int:
         """The block hashes' extra key: a stable signed 64-bit digest of what, besides the
