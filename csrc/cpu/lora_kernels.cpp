@@ -95,10 +95,10 @@ __attribute__((target("avx512f"))) void axpy(float alpha, const float* w, int64_
 
 template <typename Dot, typename Axpy>
 void row_delta(Dot dot, Axpy axpy, const float* x, int64_t K, const float* a, int64_t R,
-               const float* b_t, int64_t N, float scale, float* shrink, float* y) {
+               const float* b_t, int64_t ldb, int64_t N, float scale, float* shrink, float* y) {
   for (int64_t j = 0; j < R; ++j) shrink[j] = scale * dot(x, a + j * K, K);
   for (int64_t j = 0; j < R; ++j) {
-    if (shrink[j] != 0.f) axpy(shrink[j], b_t + j * N, N, y);
+    if (shrink[j] != 0.f) axpy(shrink[j], b_t + j * ldb, N, y);
   }
 }
 
@@ -121,14 +121,16 @@ Isa best_isa() {
 }
 
 void add_row_delta(Isa isa, const float* x, int64_t K, const float* a, int64_t R,
-                   const float* b_t, int64_t N, float scale, float* shrink, float* y) {
+                   const float* b_t, int64_t ldb, int64_t N, float scale, float* shrink,
+                   float* y) {
   switch (isa) {
     case Isa::kAvx512:
-      return row_delta(avx512::dot, avx512::axpy, x, K, a, R, b_t, N, scale, shrink, y);
+      return row_delta(avx512::dot, avx512::axpy, x, K, a, R, b_t, ldb, N, scale, shrink, y);
     case Isa::kAvx2:
-      return row_delta(avx2::dot, avx2::axpy, x, K, a, R, b_t, N, scale, shrink, y);
+      return row_delta(avx2::dot, avx2::axpy, x, K, a, R, b_t, ldb, N, scale, shrink, y);
     default:
-      return row_delta(portable::dot, portable::axpy, x, K, a, R, b_t, N, scale, shrink, y);
+      return row_delta(portable::dot, portable::axpy, x, K, a, R, b_t, ldb, N, scale, shrink,
+                       y);
   }
 }
 

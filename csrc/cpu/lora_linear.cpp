@@ -77,13 +77,16 @@ void lora_linear_cpu(at::Tensor& y, const at::Tensor& x_in, const at::Tensor& lo
     for (int64_t i = begin; i < end; ++i) {
       const auto [r, slot] = rows[i];
       cpu::lora::add_row_delta(isa, xp + r * K, K, ap + slot * R * K, R, bp + slot * R * N, N,
-                               sp[slot], shrink.data(), yp + r * N);
+                               N, sp[slot], shrink.data(), yp + r * N);
     }
   });
   if (!in_place) y.copy_(acc);
 }
 
 }  // namespace
+
+// The DecoderStack's LoRA kernels (decoder_stack.cpp): as lora_linear picks them.
+cpu::lora::Isa stack_lora_isa() { return chosen_lora_isa(); }
 
 std::vector<std::string> lora_isa_names() {
   std::vector<std::string> names;

@@ -13,7 +13,8 @@ from ..model.layers import AttentionMetadata
 from ..sampling import Sampler
 from ..structured import TokenBitmask
 from .cuda_graphs import DecodeGraphs, PinnedUpload, cuda_graphs_enabled
-from .decoder_stack import build_decoder_stack, stack_forward, tp_group, unsupported_reason
+from .decoder_stack import (build_decoder_stack, set_stack_lora, stack_forward, tp_group,
+                            unsupported_reason)
 from .inputs import InputBatch, StepInputs
 
 if TYPE_CHECKING:
@@ -44,7 +45,8 @@ class ModelRunner:
                  cuda_graph_max_context: int | None = None,
                  lora_manager: LoRAManager | None = None) -> None:
         self.model, self.kv_cache = model, kv_cache
-        # Steps with adapter rows run the model's own forward (its linears add the deltas).
+        # Steps with adapter rows add their deltas in the DecoderStack, or in the model's own
+        # forward (its linears) where the stack does not run the step.
         self.lora_manager = lora_manager
         self.sampler = sampler or Sampler()
         self.device = kv_cache.device
@@ -58,6 +60,9 @@ class ModelRunner:
                 self.stack = build_decoder_stack(model)
                 self.stack_max_tokens = self.stack.max_tokens()
                 self.tp_group = tp_group(model)
+                if lora_manager is not None:
+                    set_stack_lora(self.stack, model, lora_manager.linears,
+                                   lora_manager.batch.scales)
                 how = ("one DecoderStack" if self.tp_group is None else
                        f"a DecoderStack, all-reducing across {self.tp_group.size} "
                        "tensor-parallel ranks after each half-layer")
@@ -108,13 +113,17 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the model's (or this stage's) blocks."""
+        fits_stack = self.stack is not None and inputs.num_tokens <= self.stack_max_tokens
+        if inputs.lora_slots is not None and fits_stack:
+            return stack_forward(self.model, self.stack, inputs.input_ids, inputs.positions,
+                                 self.kv_cache, inputs.meta, lora_slots=inputs.lora_slots)
         if inputs.lora_slots is not None:
             self.lora_manager.set_step(inputs.meta.cu_q_lens, inputs.lora_slots)
             try:
                 return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
             finally:
                 self.lora_manager.clear_step()
-        if self.stack is not None and inputs.num_tokens <= self.stack_max_tokens:
+        if fits_stack:
             return stack_forward(self.model, self.stack, inputs.input_ids, inputs.positions,
                                  self.kv_cache, inputs.meta, self.tp_group)
         return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)

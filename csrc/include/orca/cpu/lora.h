@@ -16,9 +16,11 @@ constexpr std::pair<const char*, Isa> kIsaNames[] = {
 bool isa_supported(Isa isa);
 Isa best_isa();
 
-// y[n] += sum_j (scale * dot(x, a[j, :])) * b_t[j, n] for one row: x [K], a [R, K], b_t [R, N],
-// y [N], all float32 and contiguous; shrink [R] is the caller's scratch.
+// y[n] += sum_j (scale * dot(x, a[j, :])) * b_t[j * ldb + n] for one row and n < N: x [K],
+// a [R, K], b_t R rows of ldb (>= N) floats (a column range of a wider B^T), y [N], all float32;
+// shrink [R] is the caller's scratch.
 void add_row_delta(Isa isa, const float* x, int64_t K, const float* a, int64_t R,
-                   const float* b_t, int64_t N, float scale, float* shrink, float* y);
+                   const float* b_t, int64_t ldb, int64_t N, float scale, float* shrink,
+                   float* y);
 
 }  // namespace orca::cpu::lora
