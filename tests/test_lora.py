@@ -163,6 +163,60 @@ def test_prefix_cache_is_keyed_by_adapter(llm, adapters, prompt_ids, references)
     assert cached[1] == 0  # mlp6 never ran this prompt
 
 
+def llama_cpp_permute(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's converter's q / k row order (convert_hf_to_gguf.py LlamaModel.permute)."""
+    return rows.reshape(num_heads, 2, rows.shape[0] // num_heads // 2, *rows.shape[1:]) \
+        .swapaxes(1, 2).reshape(rows.shape)
+
+
+def write_gguf_lora(peft_folder: Path, path: Path, config) -> None:
+    """A PEFT adapter as llama.cpp's convert_lora_to_gguf.py writes it."""
+    import gguf
+    from safetensors.torch import load_file
+
+    settings = json.loads((peft_folder / "adapter_config.json").read_text())
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(settings["lora_alpha"]))
+    for key, tensor in load_file(peft_folder / "adapter_model.safetensors").items():
+        parts = key.split(".")  # base_model.model.model.layers.{i}.{attn|mlp}.{proj}.lora_X.weight
+        layer, proj, ab = parts[4], parts[6], parts[7]
+        ours = names[proj]
+        if ab == "lora_B" and ours in heads:
+            tensor = llama_cpp_permute(tensor, heads[ours])
+        writer.add_tensor(f"blk.{layer}.{ours}.weight.{ab.lower()}", tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_lora_file_matches_peft(llm, adapters, prompt_ids, references, hf_model, tmp_path):
+    """The same adapter as a llama.cpp GGUF LoRA file gives peft's tokens too."""
+    request = adapters["attn8"][0]
+    write_gguf_lora(Path(request.lora_path), tmp_path / "attn8.gguf", hf_model.config)
+    gguf_request = LoRARequest("attn8-gguf", 40, str(tmp_path / "attn8.gguf"))
+    outputs = llm.generate(prompt_ids, GREEDY, use_tqdm=False, lora_request=gguf_request)
+    assert [o.outputs[0].token_ids for o in outputs] == \
+        [references["attn8", i] for i in range(len(PROMPTS))]
+    import gguf
+    other = gguf.GGUFWriter(str(tmp_path / "qwen.gguf"), "qwen2")
+    other.add_string("general.type", "adapter")
+    other.add_string("adapter.type", "lora")
+    other.write_header_to_file()
+    other.write_kv_data_to_file()
+    other.write_tensors_to_file()
+    other.close()
+    with pytest.raises(ValueError, match="made for a qwen2 model, but the base is "
+                                         "LlamaForCausalLM"):
+        llm.generate(prompt_ids[:1], GREEDY, use_tqdm=False,
+                     lora_request=LoRARequest("q", 41, str(tmp_path / "qwen.gguf")))
+
+
 def test_quantized_base_within_its_tolerance(hf_model, adapters, prompt_ids):
     """The stored Q4_1 base with an adapter against peft on the dequantized weights: the
     adapter moves the logits as peft's does, within the quantized base's own error."""
@@ -249,7 +303,7 @@ def test_bad_adapters_are_value_errors_and_disturb_nothing(llm, adapters, prompt
                                                              init_lora_weights=False))
     other_model.save_pretrained(str(tmp_path / "other_base"))
     cases = [
-        (tmp_path / "missing", "is not a folder"),
+        (tmp_path / "missing", r"is not a folder \(PEFT\) or a file \(GGUF\)"),
         (no_weights, "no adapter_model.safetensors"),
         (no_config, "no adapter_config.json"),
         (broken, "not valid JSON"),

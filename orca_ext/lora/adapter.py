@@ -145,7 +145,8 @@ def load_peft_adapter(request: LoRARequest, model: nn.Module, max_rank: int) -> 
     folder = Path(request.lora_path)
     name = request.lora_name
     if not folder.is_dir():
-        raise ValueError(f"adapter {name!r}: {request.lora_path!r} is not a folder")
+        raise ValueError(f"adapter {name!r}: {request.lora_path!r} is not a folder (PEFT) or a "
+                         "file (GGUF)")
     rank, scale = _read_config(folder, name, max_rank)
     tensors = _read_tensors(folder, name)
     parts = linear_parts(model)
@@ -155,13 +156,22 @@ def load_peft_adapter(request: LoRARequest, model: nn.Module, max_rank: int) -> 
         match = _LORA_KEY.match(key.removeprefix(_PEFT_PREFIX))
         if match is None:
             raise ValueError(f"adapter {name!r}: tensor {key!r} is not a LoRA A or B weight")
-        module = match["module"]
+        pairs.setdefault(match["module"], {})[match["ab"]] = tensor
+    if not pairs:
+        raise ValueError(f"adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
+    return place_pairs(request, model, rank, scale, pairs)
+
+
+def place_pairs(request: LoRARequest, model: nn.Module, rank: int, scale: float,
+                pairs: dict[str, dict[str, torch.Tensor]]) -> LoRAAdapter:
+    """An adapter from its A and B tensors by Hugging Face module name (``pairs[module]["A"]``
+    ``[rank, in]``, ``["B"]`` ``[out, rank]``), checked against ``model``'s projections."""
+    name = request.lora_name
+    parts = linear_parts(model)
+    for module in pairs:
         if module not in parts:
             raise ValueError(f"adapter {name!r}: module {module!r} is not an attention or MLP "
                              "projection of this model")
-        pairs.setdefault(module, {})[match["ab"]] = tensor
-    if not pairs:
-        raise ValueError(f"adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
     linears = lora_linears(model)
     counts = num_parts(model)
     deltas: dict[str, LinearDelta] = {}
@@ -198,6 +208,15 @@ def _check_targets(folder: Path, name: str, projections: set[str]) -> None:
     if unknown:
         raise ValueError(f"adapter {name!r}: target modules {unknown} are not attention or MLP "
                          f"projections of this model ({', '.join(sorted(projections))})")
+
+
+def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int) -> LoRAAdapter:
+    """A PEFT folder, or a llama.cpp GGUF LoRA file (``gguf_adapter.py``)."""
+    if Path(request.lora_path).is_file():
+        from .gguf_adapter import load_gguf_adapter
+
+        return load_gguf_adapter(request, model, max_rank)
+    return load_peft_adapter(request, model, max_rank)
 
 
 def _in_features(linear: nn.Module) -> int:

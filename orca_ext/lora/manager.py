@@ -11,7 +11,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from .adapter import LoRAAdapter, load_peft_adapter, lora_linears, num_parts
+from .adapter import LoRAAdapter, load_adapter, lora_linears, num_parts
 from .layers import LinearLoRA, LoRABatch
 from .request import LoRARequest
 
@@ -47,7 +47,7 @@ class LoRAManager:
         ValueError (nothing changed) for a bad adapter or an id / name taken by another."""
         if not self._check_new(request):
             return
-        adapter = load_peft_adapter(request, self.model, self.max_lora_rank)
+        adapter = load_adapter(request, self.model, self.max_lora_rank)
         with self._lock:
             if not self._check_new(request):
                 return
@@ -97,7 +97,7 @@ class LoRAManager:
             adapter = self._cpu.get(lora_int_id)
             request = self.known[lora_int_id]
         if adapter is None:  # dropped from the CPU cache: read again
-            adapter = load_peft_adapter(request, self.model, self.max_lora_rank)
+            adapter = load_adapter(request, self.model, self.max_lora_rank)
         with self._lock:
             self._cache(adapter)
         return adapter
