@@ -37,7 +37,8 @@ CASES = [  # (segment lengths, their slots, K, N, rank, slots)
     ([1], [0], 64, 96, 8, 1),
     ([3, 1, 2, 5], [1, -1, 0, 1], 576, 960, 16, 3),  # SmolLM2's qkv shapes, base rows between
     ([2, 0, 7], [2, 1, -1], 33, 17, 4, 3),  # tails under every vector width, an empty segment
-    ([40, 1], [0, 0], 128, 1536, 48, 2),  # a prefill and a decode of one adapter; fused ranks
+    ([40, 1], [0, 0], 128, 1536, 48, 2),  # a prefill (GEMMs) and a decode of one adapter
+    ([3, 20, 16, 2], [0, 1, -1, 1], 96, 80, 16, 2),  # prompts of two adapters and the base
     ([4], [-1], 32, 32, 8, 2),  # no adapter rows: y untouched
 ]
 

@@ -1,7 +1,8 @@
-// lora_linear on CPU: each run of rows sharing an adapter slot gets that slot's low-rank delta
-// (orca/cpu/lora.h's row kernel), rows split across the intra-op threads. A row's result does not
-// depend on the split. x and y of bfloat16 / float16 are widened to float32 rows for the kernel
-// and the sums rounded once into y.
+// lora_linear on CPU: each run of rows sharing an adapter slot gets that slot's low-rank delta.
+// Short runs (decode steps) go through orca/cpu/lora.h's row kernel, rows split across the
+// intra-op threads; a run of kGemmRows rows or more (a prompt) is two float32 GEMMs (ATen's),
+// which read the slot's A and B once for all its rows. x and y of bfloat16 / float16 are widened
+// to float32 for the sums, rounded once into y.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -29,10 +30,20 @@ Isa chosen_lora_isa() {
               "'");
 }
 
-// The row of each token that has an adapter and its slot, from the segments (checked here).
+constexpr int64_t kGemmRows = 16;
+
+// A run of rows [begin, end) of one adapter slot.
+struct Run {
+  int64_t begin, end;
+  int32_t slot;
+};
+
+// The segments (checked here) with an adapter: the row of each token of a short one and its
+// slot, and the long ones whole.
 std::vector<std::pair<int64_t, int32_t>> adapter_rows(const at::Tensor& cu_seg_lens,
                                                       const at::Tensor& seg_slots, int64_t T,
-                                                      int64_t num_slots) {
+                                                      int64_t num_slots,
+                                                      std::vector<Run>& long_runs) {
   const int32_t* cu = cu_seg_lens.data_ptr<int32_t>();
   const int32_t* slots = seg_slots.data_ptr<int32_t>();
   const int64_t S = seg_slots.size(0);
@@ -45,6 +56,10 @@ std::vector<std::pair<int64_t, int32_t>> adapter_rows(const at::Tensor& cu_seg_l
     TORCH_CHECK(slots[s] >= -1 && slots[s] < num_slots, "seg_slots[", s, "] = ", slots[s],
                 " is outside [-1, ", num_slots, ")");
     if (slots[s] < 0) continue;
+    if (cu[s + 1] - cu[s] >= kGemmRows) {
+      long_runs.push_back({cu[s], cu[s + 1], slots[s]});
+      continue;
+    }
     for (int64_t r = cu[s]; r < cu[s + 1]; ++r) rows.emplace_back(r, slots[s]);
   }
   return rows;
@@ -57,8 +72,10 @@ void lora_linear_cpu(at::Tensor& y, const at::Tensor& x_in, const at::Tensor& lo
                            seg_slots_in);
   const int64_t T = x_in.size(0), K = x_in.size(1), N = y.size(1);
   const int64_t L = lora_a_in.size(0), R = lora_a_in.size(1);
-  const auto rows = adapter_rows(cu_seg_lens_in.contiguous(), seg_slots_in.contiguous(), T, L);
-  if (rows.empty() || R == 0 || N == 0) return;
+  std::vector<Run> long_runs;
+  const auto rows = adapter_rows(cu_seg_lens_in.contiguous(), seg_slots_in.contiguous(), T, L,
+                                 long_runs);
+  if ((rows.empty() && long_runs.empty()) || R == 0 || N == 0) return;
   const Isa isa = chosen_lora_isa();
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const at::Tensor a = lora_a_in.contiguous(), b_t = lora_b_in.contiguous();
@@ -71,6 +88,12 @@ void lora_linear_cpu(at::Tensor& y, const at::Tensor& x_in, const at::Tensor& lo
   const float* sp = scales.data_ptr<float>();
   float* yp = acc.data_ptr<float>();
   // A row costs R * (K + N) multiply-adds: a task of a few rows pays for a fork-join.
+  for (const Run& run : long_runs) {
+    const at::Tensor shrink = at::mm(x.narrow(0, run.begin, run.end - run.begin),
+                                     a[run.slot].t());
+    acc.narrow(0, run.begin, run.end - run.begin).addmm_(shrink, b_t[run.slot], 1.0,
+                                                         sp[run.slot]);
+  }
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, R * (K + N)));
   at::parallel_for(0, static_cast<int64_t>(rows.size()), grain, [&](int64_t begin, int64_t end) {
     std::vector<float> shrink(R);
