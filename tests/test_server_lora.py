@@ -162,13 +162,22 @@ def test_unload_waits_for_no_user(engine, adapter_paths):
             await asyncio.sleep(0.01)
         refused = await call(app, "POST", "/v1/unload_lora_adapter", json={"lora_name": "busy"})
         base = await call(app, "POST", "/v1/completions", json=completion("tiny"))
-        done = await long
+        loaded = await call(app, "POST", "/v1/load_lora_adapter",
+                            json={"lora_name": "late", "lora_path": adapter_paths[0]})
+        late = asyncio.ensure_future(call(app, "POST", "/v1/completions",
+                                          json=completion("late")))
+        running = engine.engine.stats().num_running + engine.engine.stats().num_waiting
+        done, late = await long, await late
         unloaded = await call(app, "POST", "/v1/unload_lora_adapter", json={"lora_name": "busy"})
-        return refused, base, done, unloaded
+        await call(app, "POST", "/v1/unload_lora_adapter", json={"lora_name": "late"})
+        return refused, base, loaded, late, running, done, unloaded
 
-    refused, base, done, unloaded = asyncio.run(scenario())
+    refused, base, loaded, late, running, done, unloaded = asyncio.run(scenario())
     assert refused.status_code == 400 and "used by 1 unfinished" in refused.text
     assert base.status_code == 200 and done.status_code == 200
+    assert done.json()["choices"][0]["finish_reason"] == "length"  # ran to its end undisturbed
+    # Loaded while the other adapter's request ran; with one slot it waits for that slot.
+    assert loaded.status_code == 200 and late.status_code == 200 and running >= 1
     assert unloaded.status_code == 200
 
 
