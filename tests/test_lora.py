@@ -289,19 +289,16 @@ def test_bad_adapters_are_value_errors_and_disturb_nothing(llm, adapters, prompt
     broken = _copy(src, tmp_path / "broken")
     (broken / "adapter_config.json").write_text("{not json")
     dora = _copy(src, tmp_path / "dora", use_dora=True)
-    torch.manual_seed(5)
-    big_model = peft.get_peft_model(copy.deepcopy(hf_model), peft.LoraConfig(
-        r=32, target_modules=["q_proj"], init_lora_weights=False))
-    big_model.save_pretrained(str(tmp_path / "rank32"))
-    head_model = peft.get_peft_model(copy.deepcopy(hf_model), peft.LoraConfig(
-        r=4, target_modules=["lm_head"], init_lora_weights=False))
-    head_model.save_pretrained(str(tmp_path / "lm_head"))
+    # Small stand-ins: the rank and target checks come before any shape is compared.
     other = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=30, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=hf_model.config.vocab_size))
-    other_model = peft.get_peft_model(other, peft.LoraConfig(r=4, target_modules=["q_proj"],
-                                                             init_lora_weights=False))
-    other_model.save_pretrained(str(tmp_path / "other_base"))
+    torch.manual_seed(5)
+    for folder, config in (("rank32", peft.LoraConfig(r=32, target_modules=["q_proj"])),
+                           ("lm_head", peft.LoraConfig(r=4, target_modules=["lm_head"])),
+                           ("other_base", peft.LoraConfig(r=4, target_modules=["q_proj"]))):
+        config.init_lora_weights = False
+        peft.get_peft_model(copy.deepcopy(other), config).save_pretrained(str(tmp_path / folder))
     cases = [
         (tmp_path / "missing", r"is not a folder \(PEFT\) or a file \(GGUF\)"),
         (no_weights, "no adapter_model.safetensors"),

@@ -47,8 +47,8 @@ def family(request, tmp_path_factory):
     return folder, peft_models, paths
 
 
-def prepare(folder, paths, dtype):
-    loaded = load_model(str(folder), dtype)
+def prepare(folder, paths, dtype, quantization=None):
+    loaded = load_model(str(folder), dtype, quantization=quantization)
     manager = LoRAManager(loaded.model, 2, 8, 2)
     for slot, path in enumerate(paths):
         manager.add(LoRARequest(f"a{slot}", slot + 1, path))
@@ -116,6 +116,16 @@ def test_fused_decode_matches_per_op_bfloat16(family):
     _, fused = run_steps(loaded, manager, slots, fused_decode=True)
     # Same kernels but the up linear's activation (the stack's own, after the delta).
     assert (fused - per_op).abs().max() <= 0.05 * per_op.abs().max()
+
+
+def test_fused_decode_matches_per_op_quantized(family):
+    """Linears holding q8_0 blocks: the stack's quantized kernels, then the same deltas."""
+    folder, _, paths = family
+    loaded, manager = prepare(folder, paths, torch.float32, quantization="q8_0")
+    slots = [1, 0, -1]
+    _, per_op = run_steps(loaded, manager, slots, fused_decode=False)
+    _, fused = run_steps(loaded, manager, slots, fused_decode=True)
+    torch.testing.assert_close(fused, per_op, atol=1e-4, rtol=1e-4)
 
 
 def test_stack_lora_errors(family):

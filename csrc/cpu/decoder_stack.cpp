@@ -174,26 +174,50 @@ enum LoraLinear { kLoraQkv = 0, kLoraOut = 1, kLoraUp = 2, kLoraDown = 3 };
 
 // This thread's columns [N * tid / nth, N * (tid + 1) / nth) of y [T, N] plus each adapter row's
 // delta from rows [T, K] (as ops.lora_linear: float32 sums, rounded once into y); every thread
-// computes the row's shrink (R * K) itself. floats: K + R + N of scratch.
+// computes the rows' shrinks (R * K each) itself, the rows of one slot together (its A and B
+// read once). floats: T * (K + R + N) of scratch.
 template <typename scalar_t>
 void lora_share(const StepLora& lora, const DecoderStack::LoraPair& pair, int64_t T,
                 const scalar_t* rows, int64_t K, scalar_t* y, int64_t N, float* floats, int tid,
                 int nth) {
   const int64_t n0 = N * tid / nth, n1 = N * (tid + 1) / nth, R = pair.a.size(1);
   if (n0 >= n1) return;
-  float* x = floats;
-  float* shrink = x + K;
-  float* acc = shrink + R;
+  const int64_t width = n1 - n0;
+  float* x = floats;             // [T, K]
+  float* acc = x + T * K;        // [T, width]
+  float* shrink = acc + T * width;  // [T, R]
   const float* a = pair.a.data_ptr<float>();
   const float* b = pair.b.data_ptr<float>();
+  std::vector<const float*> xs;
+  std::vector<float*> ys;
+  xs.reserve(T);
+  ys.reserve(T);
+  static_assert(kQuantStackMaxT <= 64, "one bit per row");
+  uint64_t done = 0;  // rows handled
   for (int64_t t = 0; t < T; ++t) {
     const int32_t slot = lora.row_slot[t];
-    if (slot < 0) continue;
-    for (int64_t k = 0; k < K; ++k) x[k] = static_cast<float>(rows[t * K + k]);
-    for (int64_t n = n0; n < n1; ++n) acc[n - n0] = static_cast<float>(y[t * N + n]);
-    cpu::lora::add_row_delta(lora.isa, x, K, a + slot * R * K, R, b + slot * R * N + n0, N,
-                             n1 - n0, lora.scales[slot], shrink, acc);
-    for (int64_t n = n0; n < n1; ++n) y[t * N + n] = static_cast<scalar_t>(acc[n - n0]);
+    if (slot < 0 || (done >> t & 1)) continue;
+    xs.clear();
+    ys.clear();
+    for (int64_t u = t; u < T; ++u) {
+      if (lora.row_slot[u] != slot) continue;
+      done |= uint64_t{1} << u;
+      for (int64_t k = 0; k < K; ++k) x[u * K + k] = static_cast<float>(rows[u * K + k]);
+      for (int64_t n = n0; n < n1; ++n) {
+        acc[u * width + n - n0] = static_cast<float>(y[u * N + n]);
+      }
+      xs.push_back(x + u * K);
+      ys.push_back(acc + u * width);
+    }
+    cpu::lora::add_rows_delta(lora.isa, xs.data(), static_cast<int64_t>(xs.size()), K,
+                              a + slot * R * K, R, b + slot * R * N + n0, N, width,
+                              lora.scales[slot], shrink, ys.data());
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    if (lora.row_slot[t] < 0) continue;
+    for (int64_t n = n0; n < n1; ++n) {
+      y[t * N + n] = static_cast<scalar_t>(acc[t * width + n - n0]);
+    }
   }
 }
 
@@ -300,8 +324,9 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
   // LoRA: the up linear's pre-activation rows, and each thread's delta scratch.
   const int64_t up_width = is_gated(s.act) ? 2 * s.inter : s.inter;
   at::Tensor pre = lora ? at::empty({T, up_width}, opts) : at::Tensor();
-  const int64_t lora_floats = lora ? 2 * (widest + s.qkv_width + up_width) +
-                                         lora->pairs[0][kLoraQkv].a.size(1) : 0;
+  const int64_t lora_floats =
+      lora ? T * (widest + std::max({s.qkv_width, H, up_width}) +
+                  lora->pairs[0][kLoraQkv].a.size(1)) : 0;
   at::Tensor lora_scratch = at::empty({nth, lora_floats}, opts.dtype(at::kFloat));
   at::Tensor part_o = at::empty({partial_rows, D}, opts.dtype(at::kFloat));
   at::Tensor part_ml = at::empty({2, partial_rows}, opts.dtype(at::kFloat));

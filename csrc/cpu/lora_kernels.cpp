@@ -102,7 +102,36 @@ void row_delta(Dot dot, Axpy axpy, const float* x, int64_t K, const float* a, in
   }
 }
 
+template <typename Dot, typename Axpy>
+void rows_delta(Dot dot, Axpy axpy, const float* const* xs, int64_t n, int64_t K, const float* a,
+                int64_t R, const float* b_t, int64_t ldb, int64_t N, float scale, float* shrink,
+                float* const* ys) {
+  for (int64_t j = 0; j < R; ++j) {
+    for (int64_t i = 0; i < n; ++i) shrink[i * R + j] = scale * dot(xs[i], a + j * K, K);
+  }
+  for (int64_t j = 0; j < R; ++j) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (shrink[i * R + j] != 0.f) axpy(shrink[i * R + j], b_t + j * ldb, N, ys[i]);
+    }
+  }
+}
+
 }  // namespace
+
+void add_rows_delta(Isa isa, const float* const* xs, int64_t n, int64_t K, const float* a,
+                    int64_t R, const float* b_t, int64_t ldb, int64_t N, float scale,
+                    float* shrink, float* const* ys) {
+  switch (isa) {
+    case Isa::kAvx512:
+      return rows_delta(avx512::dot, avx512::axpy, xs, n, K, a, R, b_t, ldb, N, scale, shrink,
+                        ys);
+    case Isa::kAvx2:
+      return rows_delta(avx2::dot, avx2::axpy, xs, n, K, a, R, b_t, ldb, N, scale, shrink, ys);
+    default:
+      return rows_delta(portable::dot, portable::axpy, xs, n, K, a, R, b_t, ldb, N, scale,
+                        shrink, ys);
+  }
+}
 
 bool isa_supported(Isa isa) {
   __builtin_cpu_init();

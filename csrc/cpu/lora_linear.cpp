@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <vector>
 
@@ -31,6 +32,7 @@ Isa chosen_lora_isa() {
 }
 
 constexpr int64_t kGemmRows = 16;
+constexpr int64_t kGroupRows = 8;
 
 // A run of rows [begin, end) of one adapter slot.
 struct Run {
@@ -87,20 +89,40 @@ void lora_linear_cpu(at::Tensor& y, const at::Tensor& x_in, const at::Tensor& lo
   const float* bp = b_t.data_ptr<float>();
   const float* sp = scales.data_ptr<float>();
   float* yp = acc.data_ptr<float>();
-  // A row costs R * (K + N) multiply-adds: a task of a few rows pays for a fork-join.
   for (const Run& run : long_runs) {
     const at::Tensor shrink = at::mm(x.narrow(0, run.begin, run.end - run.begin),
                                      a[run.slot].t());
     acc.narrow(0, run.begin, run.end - run.begin).addmm_(shrink, b_t[run.slot], 1.0,
                                                          sp[run.slot]);
   }
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, R * (K + N)));
-  at::parallel_for(0, static_cast<int64_t>(rows.size()), grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> shrink(R);
-    for (int64_t i = begin; i < end; ++i) {
-      const auto [r, slot] = rows[i];
-      cpu::lora::add_row_delta(isa, xp + r * K, K, ap + slot * R * K, R, bp + slot * R * N, N,
-                               N, sp[slot], shrink.data(), yp + r * N);
+  // The short runs' rows grouped by slot, up to kGroupRows a group: a group reads its slot's
+  // A and B once (decode steps of several requests on one adapter).
+  std::vector<std::pair<int64_t, int32_t>> sorted = rows;
+  std::stable_sort(sorted.begin(), sorted.end(),
+                   [](const auto& p, const auto& q) { return p.second < q.second; });
+  std::vector<std::pair<int64_t, int64_t>> groups;  // [begin, end) in sorted
+  for (int64_t i = 0; i < static_cast<int64_t>(sorted.size());) {
+    int64_t j = i + 1;
+    while (j < static_cast<int64_t>(sorted.size()) && j - i < kGroupRows &&
+           sorted[j].second == sorted[i].second) {
+      ++j;
+    }
+    groups.emplace_back(i, j);
+    i = j;
+  }
+  at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> shrink(kGroupRows * R);
+    const float* xs[kGroupRows];
+    float* ys[kGroupRows];
+    for (int64_t g = begin; g < end; ++g) {
+      const auto [first, last] = groups[g];
+      const int32_t slot = sorted[first].second;
+      for (int64_t i = first; i < last; ++i) {
+        xs[i - first] = xp + sorted[i].first * K;
+        ys[i - first] = yp + sorted[i].first * N;
+      }
+      cpu::lora::add_rows_delta(isa, xs, last - first, K, ap + slot * R * K, R,
+                                bp + slot * R * N, N, N, sp[slot], shrink.data(), ys);
     }
   });
   if (!in_place) y.copy_(acc);

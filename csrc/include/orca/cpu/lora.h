@@ -23,4 +23,10 @@ void add_row_delta(Isa isa, const float* x, int64_t K, const float* a, int64_t R
                    const float* b_t, int64_t ldb, int64_t N, float scale, float* shrink,
                    float* y);
 
+// add_row_delta for n rows of one adapter at once (xs[i], ys[i]; shrink [n * R]): each row of A
+// and of B^T is read once for all n rows (from L1 after the first), not once per row.
+void add_rows_delta(Isa isa, const float* const* xs, int64_t n, int64_t K, const float* a,
+                    int64_t R, const float* b_t, int64_t ldb, int64_t N, float scale,
+                    float* shrink, float* const* ys);
+
 }  // namespace orca::cpu::lora
