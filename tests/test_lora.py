@@ -306,7 +306,7 @@ def test_bad_adapters_are_value_errors_and_disturb_nothing(llm, adapters, prompt
         (broken, "not valid JSON"),
         (dora, "DoRA"),
         (tmp_path / "rank32", "rank 32 is above max_lora_rank 16"),
-        (tmp_path / "lm_head", r"target modules \['lm_head'\] are not attention or MLP projections"),
+        (tmp_path / "lm_head", r"target modules \['lm_head'\] are not attention or MLP"),
         (tmp_path / "other_base", "a different base model"),
     ]
     before = dict(llm.engine.lora.known)

@@ -16,7 +16,8 @@ from orca_ext.kv import KVCache, build_metadata  # noqa: E402
 from orca_ext.lora.manager import LoRAManager  # noqa: E402
 from orca_ext.model import load_model  # noqa: E402
 from orca_ext.model.layers import AttentionMetadata  # noqa: E402
-from orca_ext.runner.decoder_stack import build_decoder_stack, set_stack_lora, stack_forward  # noqa: E402,E501
+from orca_ext.runner.decoder_stack import (build_decoder_stack, set_stack_lora,  # noqa: E402
+                                           stack_forward)
 
 TARGETS = {
     "llama_gqa": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],

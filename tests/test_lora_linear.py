@@ -82,27 +82,36 @@ def test_zero_padded_ranks_change_nothing():
     assert torch.allclose(out, padded, atol=1e-6)
 
 
-@pytest.mark.parametrize("mutate,message", [
-    (lambda t: t.__setitem__(6, torch.tensor([0, 1, 5, 6], dtype=torch.int32)), r"cu_seg_lens\[-1\] must equal the 7 rows"),
-    (lambda t: t.__setitem__(6, torch.tensor([0, 4, 3, 7], dtype=torch.int32)), "must not decrease"),
-    (lambda t: t.__setitem__(6, torch.tensor([1, 2, 3, 7], dtype=torch.int32)), r"cu_seg_lens\[0\]"),
-    (lambda t: t.__setitem__(7, torch.tensor([0, 2, -1], dtype=torch.int32)), r"seg_slots\[1\] = 2"),
-    (lambda t: t.__setitem__(7, torch.tensor([0, -2, -1], dtype=torch.int32)), r"seg_slots\[1\] = -2"),
-    (lambda t: t.__setitem__(7, torch.tensor([0, 1], dtype=torch.int32)), "one more entry"),
-    (lambda t: t.__setitem__(3, torch.zeros(2, 4, 9)), "lora_a's last dim is 9"),
-    (lambda t: t.__setitem__(4, torch.zeros(2, 4, 9)), "lora_b's last dim is 9"),
-    (lambda t: t.__setitem__(4, torch.zeros(2, 3, 8)), "lora_b must be"),
-    (lambda t: t.__setitem__(3, torch.zeros(2, 4, 16, dtype=torch.float64)), "lora_a must have dtype"),
-    (lambda t: t.__setitem__(5, torch.ones(3)), "scales has 3 entries"),
-    (lambda t: t.__setitem__(1, torch.zeros(7, 8, dtype=torch.bfloat16)), "y has dtype"),
-    (lambda t: t.__setitem__(1, torch.zeros(6, 8)), "y has 6 rows"),
-    (lambda t: t.__setitem__(6, torch.tensor([0, 1, 5, 7], dtype=torch.int64)), "cu_seg_lens must have dtype"),
-])
-def test_lora_linear_errors_name_the_bad_value(mutate, message):
-    args = [None, *random_case([1, 4, 2], [0, 1, -1], 16, 8, 4, 2)]
-    mutate(args)
+def i32(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+# (argument, bad value, message); the good arguments are 3 segments of 7 rows, 2 slots.
+BAD_ARGS = [
+    ("cu_seg_lens", i32(0, 1, 5, 6), r"cu_seg_lens\[-1\] must equal the 7 rows"),
+    ("cu_seg_lens", i32(0, 4, 3, 7), "must not decrease"),
+    ("cu_seg_lens", i32(1, 2, 3, 7), r"cu_seg_lens\[0\]"),
+    ("cu_seg_lens", torch.tensor([0, 1, 5, 7]), "cu_seg_lens must have dtype Int"),
+    ("seg_slots", i32(0, 2, -1), r"seg_slots\[1\] = 2"),
+    ("seg_slots", i32(0, -2, -1), r"seg_slots\[1\] = -2"),
+    ("seg_slots", i32(0, 1), "one more entry"),
+    ("lora_a", torch.zeros(2, 4, 9), "lora_a's last dim is 9"),
+    ("lora_a", torch.zeros(2, 4, 16, dtype=torch.float64), "lora_a must have dtype"),
+    ("lora_b", torch.zeros(2, 4, 9), "lora_b's last dim is 9"),
+    ("lora_b", torch.zeros(2, 3, 8), "lora_b must be"),
+    ("scales", torch.ones(3), "scales has 3 entries"),
+    ("y", torch.zeros(7, 8, dtype=torch.bfloat16), "y has dtype"),
+    ("y", torch.zeros(6, 8), "y has 6 rows"),
+]
+ARG_NAMES = ["y", "x", "lora_a", "lora_b", "scales", "cu_seg_lens", "seg_slots"]
+
+
+@pytest.mark.parametrize("name,value,message", BAD_ARGS)
+def test_lora_linear_errors_name_the_bad_value(name, value, message):
+    args = list(random_case([1, 4, 2], [0, 1, -1], 16, 8, 4, 2))
+    args[ARG_NAMES.index(name)] = value
     with pytest.raises(RuntimeError, match=message):
-        ops.lora_linear(*args[1:])
+        ops.lora_linear(*args)
 
 
 def test_opcheck():
