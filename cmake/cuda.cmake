@@ -165,6 +165,8 @@ for d in glob.glob(os.path.join(p, '*')) if os.path.isdir(os.path.join(d, 'inclu
       csrc/cuda/attention_bf16.cu
       csrc/cuda/attention_fp16.cu
       csrc/cuda/kernels.cu
+      csrc/cuda/lora.cu
+      csrc/cuda/lora_linear.cpp
       csrc/cuda/packed_linear.cpp
       csrc/cuda/ragged_attention.cpp
       csrc/cuda/rms_norm.cpp

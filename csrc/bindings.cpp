@@ -12,6 +12,8 @@
 namespace orca {
 // ragged_attention.cpp (built for the kernels' target): the ORCA_ATTENTION_ISA names it runs.
 std::vector<std::string> attention_isa_names();
+// lora_linear.cpp: the ORCA_LORA_ISA names this CPU runs.
+std::vector<std::string> lora_isa_names();
 }  // namespace orca
 
 namespace py = pybind11;
@@ -162,6 +164,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("attention_isas", &orca::attention_isa_names,
         "The paths of ragged_attention's prefill-like bfloat16 kernels this build and CPU run, "
         "by their ORCA_ATTENTION_ISA names");
+  m.def("lora_isas", &orca::lora_isa_names,
+        "The paths of lora_linear's kernels this CPU runs, by their ORCA_LORA_ISA names");
   m.def("argmax_rows", &argmax_rows, py::arg("logits"),
         "Each row's argmax of float32 CPU logits [rows, vocab] (as torch.argmax), as a list");
 }

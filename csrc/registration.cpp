@@ -20,6 +20,8 @@ TORCH_LIBRARY(orca, m) {
         "Tensor slot_mapping) -> ()");
   m.def("ragged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_q_lens, "
         "Tensor context_lens, Tensor block_table, float scale, int window=0) -> Tensor");
+  m.def("lora_linear(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor scales, "
+        "Tensor cu_seg_lens, Tensor seg_slots) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual=None) -> Tensor");
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor? indices=None) -> ()");
   // A model's decoder blocks prepared once for decode steps on the CPU (cpu/decoder_stack.h).
@@ -39,6 +41,13 @@ TORCH_LIBRARY(orca, m) {
             torch::arg("cu_q_lens"), torch::arg("context_lens"), torch::arg("block_table"),
             torch::arg("slot_mapping"), torch::arg("rotary_cos"), torch::arg("rotary_sin"),
             torch::arg("step"), torch::arg("add_residual")})
+      .def("set_lora", &orca::DecoderStack::set_lora, "",
+           {torch::arg("layers"), torch::arg("scales")})
+      .def("forward_lora", &orca::DecoderStack::forward_lora, "",
+           {torch::arg("x"), torch::arg("k_caches"), torch::arg("v_caches"),
+            torch::arg("cu_q_lens"), torch::arg("context_lens"), torch::arg("block_table"),
+            torch::arg("slot_mapping"), torch::arg("rotary_cos"), torch::arg("rotary_sin"),
+            torch::arg("lora_slots")})
       .def("num_layers", &orca::DecoderStack::num_layers)
       .def("max_tokens", &orca::DecoderStack::max_tokens);
 }

@@ -7,6 +7,7 @@ from .async_engine import AsyncEngine, EngineDeadError
 from .build import build_engine
 from .config import EngineConfig
 from .llm import LLM
+from .lora import LoRARequest
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -18,6 +19,6 @@ def has_cuda() -> bool:
     return _C.has_cuda()
 
 
-__all__ = ["AsyncEngine", "CompletionOutput", "EngineConfig", "EngineDeadError", "LLM",
+__all__ = ["AsyncEngine", "CompletionOutput", "EngineConfig", "EngineDeadError", "LLM", "LoRARequest",
            "RequestOutput", "SamplingParams", "StructuredOutputsParams", "__version__",
            "build_engine", "has_cuda", "ops"]

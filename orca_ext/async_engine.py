@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .engine import Engine, EngineStats
+from .lora.request import LoRARequest
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -62,9 +63,11 @@ class AsyncEngine:
         return cls(build_engine(config), stuck_timeout=stuck_timeout)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. Bad input raises ValueError naming the field, before the
-        first output; a dead engine raises EngineDeadError."""
+                       request_id: str | None = None, lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (with ``lora_request``'s adapter, if given). Bad input
+        raises ValueError naming the field, before the first output; a dead engine raises
+        EngineDeadError."""
         request_id = uuid.uuid4().hex if request_id is None else request_id
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -73,7 +76,7 @@ class AsyncEngine:
         added = finished = False
         try:
             self._check_alive()  # after registering: a dying loop fails every registered stream
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, lora_request=lora_request)
             added = True
             self._wake.set()
             while not finished:

@@ -31,6 +31,8 @@ class NewRequestData:
     num_prompt_tokens: int
     sampling_params: SamplingParams
     computed_token_ids: list[int] = field(default_factory=list)
+    lora_int_id: int = 0  # its LoRA adapter (0: none), run in adapter slot lora_slot
+    lora_slot: int = -1
 
 
 @dataclass

@@ -44,7 +44,13 @@ def build_engine(config: EngineConfig) -> Engine:
               / 2**30, why)
     allocator = SlotAllocator(num_blocks, config.block_size)
     kv_cache = KVCache(loaded.config, num_blocks, config.block_size, kv_dtype, loaded.device)
-    runner = ModelRunner(loaded.model, kv_cache)
+    lora_manager = None
+    if config.enable_lora:
+        from .lora.manager import LoRAManager
+
+        lora_manager = LoRAManager(loaded.model, config.max_loras, config.max_lora_rank,
+                                   config.max_cpu_loras)
+    runner = ModelRunner(loaded.model, kv_cache, lora_manager=lora_manager)
     speculator = make_speculator(config.speculative_config, loaded, config.block_size,
                                  num_blocks * config.block_size)
     engine = Engine(runner, make_scheduler(config.scheduler_config(), allocator, speculator),

@@ -39,7 +39,9 @@ class EngineConfig:
     ``SpeculativeConfig``) turns on speculative decoding (``spec_decode``). ``kv_cache_dtype``
     (``kv.resolve_kv_cache_dtype``): ``"auto"`` keeps K/V in the activations' dtype, ``"int8"``
     stores them with a scale per token and KV head (CPU, one process), so the KV budget holds
-    more tokens."""
+    more tokens. ``enable_lora`` serves LoRA adapters (``lora/``, one process): up to
+    ``max_loras`` of them in one batch, of rank up to ``max_lora_rank``, and the tensors of
+    ``max_cpu_loras`` (default ``max_loras``) kept on the CPU."""
 
     model: str | LoadedModel = DEFAULT_MODEL
     dtype: torch.dtype | str = "auto"
@@ -58,6 +60,10 @@ class EngineConfig:
     quantization: str | None = None
     speculative_config: SpeculativeConfig | dict | str | None = None
     kv_cache_dtype: str = "auto"
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.device is None and not isinstance(self.model, str):
@@ -109,6 +115,7 @@ class EngineConfig:
             if not isinstance(self.model, str):
                 raise ValueError("model: distributed workers load the weights themselves; pass "
                                  "a built-in name or a model path, not a loaded model")
+        self._check_lora()
         self.scheduler_config()  # checks the policy and its limits
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         if (self.speculative_config is not None and self.parallel_config is not None
@@ -122,6 +129,19 @@ class EngineConfig:
 
         return resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype, self.device)
 
+    def _check_lora(self) -> None:
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+        if self.enable_lora and self.distributed:
+            raise ValueError("enable_lora runs in one process; tensor and pipeline parallel "
+                             "workers do not load adapters")
+
     @property
     def distributed(self) -> bool:
         return self.parallel_config is not None
@@ -129,7 +149,8 @@ class EngineConfig:
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.policy, self.max_batch_size, self.pipeline_parallel_size,
                                self.max_num_batched_tokens, bool(self.enable_prefix_caching),
-                               self.prefix_cache_salt())
+                               self.prefix_cache_salt(),
+                               self.max_loras if self.enable_lora else 0)
 
     def prefix_cache_salt(self) -> int:
         """The block hashes' extra key: a stable signed 64-bit digest of what, besides the

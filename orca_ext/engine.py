@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from .activity import Activity, ActivitySample
 from .batch import RunnerOutput, SchedulerOutput, TokenLogprobs
 from .detokenizer import Detokenizer, Tokenizer
+from .lora.request import LoRARequest
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request
 from .sampling_params import SamplingParams
@@ -131,15 +132,22 @@ class Engine:
         self._num_constrained = 0  # unfinished sequences with a matcher
         if scheduler.speculator is not None:
             scheduler.speculator.allowed_prefix = self._allowed_prefix
+        # The runner's LoRA adapters (``lora.manager.LoRAManager``), None without enable_lora.
+        self.lora = getattr(executor, "lora_manager", None)
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
-                    stream: bool = True) -> None:
+                    stream: bool = True, lora_request: LoRARequest | None = None) -> None:
         """Queue a request. Bad input raises ValueError naming the field, and changes nothing.
         With ``stream`` False (or a scheduler that ``holds_outputs``), ``step`` reports the
-        request only once it has finished."""
+        request only once it has finished. ``lora_request`` runs it with that LoRA adapter
+        (read and checked now, the first time its id is seen)."""
         prompt_text, prompt_ids = self.tokenize(prompt)
         params = self._check_params(params)
+        lora_int_id = 0
+        if lora_request is not None:
+            self.add_lora(lora_request)
+            lora_int_id = lora_request.lora_int_id
         spec = params.structured_outputs
         compiled = None if spec is None else self.structured.compile(spec)
         # vLLM's rule: prompt + output <= max_model_len, but always at least one new token.
@@ -157,7 +165,8 @@ class Engine:
             if params.n > 1:  # distinct seeds, else the n samples would be identical
                 child = dataclasses.replace(
                     params, n=1, seed=None if params.seed is None else params.seed + i)
-            request = Request(next(self._next_id), prompt_ids, child, max_new, stops)
+            request = Request(next(self._next_id), prompt_ids, child, max_new, stops,
+                              lora_int_id=lora_int_id)
             detokenizer = (None if self.tokenizer is None
                            else Detokenizer(self.tokenizer, prompt_ids, params.stop))
             wants_logprobs = params.logprobs is not None
@@ -176,6 +185,30 @@ class Engine:
                 self.activity.arrived(seq.request.request_id,
                                       request_id if params.n == 1 else f"{request_id}/{i}",
                                       len(prompt_ids), metrics.arrival_time)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Know a LoRA adapter (read and checked now; nothing changes if it is bad: ValueError)."""
+        if self.lora is None:
+            raise ValueError(f"lora_request: adapter {lora_request.lora_name!r} needs an engine "
+                             "built with enable_lora=True")
+        self.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> LoRARequest:
+        """Forget an adapter; KeyError if unknown, ValueError while unfinished requests use it."""
+        if self.lora is None or lora_int_id not in self.lora.known:
+            raise KeyError(lora_int_id)
+        with self._lock:
+            users = sum(not seq.request.finished and seq.request.lora_int_id == lora_int_id
+                        for seq in self._sequences.values())
+            if users:
+                raise ValueError(f"LoRA adapter {self.lora.known[lora_int_id].lora_name!r} is "
+                                 f"used by {users} unfinished requests")
+            if self.scheduler.lora_slots is not None:
+                self.scheduler.lora_slots.forget(lora_int_id)
+            return self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.lora is None else list(self.lora.known.values())
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV; return its final output (None if it is not known)."""

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from .build import build_engine
 from .config import EngineConfig
+from .lora.request import LoRARequest
 from .model.builtin import DEFAULT_MODEL
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -50,8 +51,12 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for each prompt (text, or a list of token ids); outputs in input order."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for each prompt (text, or a list of token ids); outputs in input order.
+        ``lora_request``: one LoRA adapter for every prompt, or one (or None: the base) per
+        prompt."""
         prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
@@ -60,11 +65,17 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} "
                                  "prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts")
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 ids.append(str(next(self._next_id)))
-                self.engine.add_request(ids[-1], prompt, p, stream=False)
+                self.engine.add_request(ids[-1], prompt, p, stream=False, lora_request=lora)
         except Exception:
             for request_id in ids:  # all or nothing
                 self.engine.abort(request_id)

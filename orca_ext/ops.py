@@ -182,3 +182,27 @@ def quantized_embedding(ids: torch.Tensor, qweight: torch.Tensor, format: str,
 @torch.library.register_fake("orca::quantized_embedding")
 def _quantized_embedding_fake(ids, qweight, format, embedding_dim):
     return qweight.new_empty((ids.shape[0], embedding_dim), dtype=torch.float32)
+
+
+def lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                scales: torch.Tensor, cu_seg_lens: torch.Tensor, seg_slots: torch.Tensor) -> None:
+    """In place, for each run of packed rows sharing an adapter: ``y[rows] += scales[s] *
+    (x[rows] @ lora_a[s].T) @ lora_b[s]`` where ``s = seg_slots[i]`` and ``rows =
+    cu_seg_lens[i]:cu_seg_lens[i+1]``; a run with slot -1 (no adapter) is not touched (Punica's
+    and S-LoRA's segmented shrink and expand).
+
+    ``y [T, N]`` and ``x [T, K]`` share a float dtype (the sums are float32, rounded once into
+    ``y``); ``lora_a`` float32 ``[num_slots, rank, K]`` (PEFT's ``lora_A.weight`` per slot),
+    ``lora_b`` float32 ``[num_slots, rank, N]`` (``lora_B.weight`` transposed, so the expand
+    streams rows of N), ``scales`` float32 ``[num_slots]``, ``cu_seg_lens`` int32 ``[S + 1]``
+    (from 0 to T), ``seg_slots`` int32 ``[S]``. A slot's unused ranks are zero rows.
+
+    On CPU the kernel's ISA is the best this CPU runs (``orca_ext._C.lora_isas()``);
+    ``ORCA_LORA_ISA=portable|avx2|avx512`` forces one.
+    """
+    torch.ops.orca.lora_linear(y, x, lora_a, lora_b, scales, cu_seg_lens, seg_slots)
+
+
+@torch.library.register_fake("orca::lora_linear")
+def _lora_linear_fake(y, x, lora_a, lora_b, scales, cu_seg_lens, seg_slots):
+    return None

@@ -33,6 +33,8 @@ class Request:
     # cache at the first admission (None until admitted).
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int | None = None
+    lora_int_id: int = 0  # its LoRA adapter (0: the base model)
+    lora_slot: int = -1  # the adapter slot it runs in while admitted (-1: none)
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string
     # Speculative decoding: proposals to ask for next (None: the configured most), from the

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .batch import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
+from .lora.slots import LoRASlots
 from .request import Request
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None  # paged only: per-iteration budget (chunked prefill)
     enable_prefix_caching: bool = False  # orca and paged only
     prefix_cache_salt: int = 0  # the block hashes' extra_key: whatever else changes the KV
+    max_loras: int = 0  # LoRA adapters a batch may use (0: LoRA off); orca and paged only
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -56,6 +58,10 @@ class SchedulerConfig:
             raise ValueError("enable_prefix_caching needs policy 'orca' or 'paged', got "
                              "policy='request' (its padding and re-run finished rows write "
                              "into blocks a cache would share)")
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
+        if self.max_loras and self.policy == "request":
+            raise ValueError("LoRA adapters need policy 'orca' or 'paged', got policy='request'")
         if not -2**63 <= self.prefix_cache_salt < 2**63:
             raise ValueError(f"prefix_cache_salt must fit in 64 signed bits, got "
                              f"{self.prefix_cache_salt}")
@@ -116,6 +122,7 @@ class Scheduler:
         # and counted over all of them (registered when their batch returns).
         self._batch_hashes: dict[int, list[int]] = {}
         self._pending_hashes: Counter[int] = Counter()
+        self.lora_slots = LoRASlots(config.max_loras) if config.max_loras else None
 
     @property
     def kv_capacity(self) -> int:
@@ -137,9 +144,11 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id} is already scheduled")
         self.check_fits(len(request.prompt_token_ids), request.max_new_tokens)
+        if request.lora_int_id and self.lora_slots is None:
+            raise ValueError("a request with a LoRA adapter needs enable_lora")
         if self.config.enable_prefix_caching:
             request.block_hashes = self.allocator.block_hashes(
-                request.prompt_token_ids, self.config.prefix_cache_salt)
+                request.prompt_token_ids, self._cache_key(request))
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -177,7 +186,8 @@ class Scheduler:
             if request.num_sent_blocks is None:
                 new_requests.append(NewRequestData(
                     request.request_id, len(request.prompt_token_ids), request.sampling_params,
-                    request.all_token_ids[:request.num_computed]))
+                    request.all_token_ids[:request.num_computed], request.lora_int_id,
+                    request.lora_slot))
                 request.num_sent_blocks = 0
             num_blocks = self.allocator.capacity(request.request_id) // block_size
             new_block_ids = []
@@ -297,6 +307,15 @@ class Scheduler:
         """Padding tokens to run after ``request``'s scheduled tokens (request-level only)."""
         return 0
 
+    def _cache_key(self, request: Request) -> int:
+        """The block hashes' extra key: the salt, mixed with the request's adapter (a block's
+        KV under adapter X is not the base's or adapter Y's)."""
+        salt = self.config.prefix_cache_salt
+        if not request.lora_int_id:
+            return salt
+        mixed = (salt ^ (request.lora_int_id * 0x9E3779B97F4A7C15)) & (2**64 - 1)
+        return mixed - 2**64 if mixed >= 2**63 else mixed
+
     def _prefix_hashes(self, request: Request) -> list[int]:
         """The hashes ``request`` may look up at admission: its full blocks before the one
         holding its last token (that token is always computed, for the logits)."""
@@ -331,10 +350,14 @@ class Scheduler:
 
     def _admit(self, request: Request, num_tokens: int, prefix_hashes: list[int]) -> bool:
         """Move the oldest waiting request to running with KV for ``num_tokens``, sharing the
-        cached blocks of the longest cached prefix of ``prefix_hashes``, if it fits; its
-        ``num_computed`` starts at the tokens reused."""
+        cached blocks of the longest cached prefix of ``prefix_hashes``, if it fits (KV, and a
+        slot for its LoRA adapter); its ``num_computed`` starts at the tokens reused."""
+        if request.lora_int_id and not self.lora_slots.can_acquire(request.lora_int_id):
+            return False
         if not self.allocator.can_allocate(num_tokens, prefix_hashes):
             return False
+        if request.lora_int_id:
+            request.lora_slot = self.lora_slots.acquire(request.lora_int_id)
         request.num_computed = self.allocator.allocate(request.request_id, num_tokens,
                                                        prefix_hashes)
         if request.num_cached_tokens is None:
@@ -358,15 +381,21 @@ class Scheduler:
             start = len(hashes) * block_size
             hashes.extend(self.allocator.block_hashes(
                 request.all_token_ids[start:num_full * block_size],
-                self.config.prefix_cache_salt, hashes[-1] if hashes else None))
+                self._cache_key(request), hashes[-1] if hashes else None))
         self.allocator.cache_blocks(request.request_id, hashes[:num_full])
 
     def _release(self, request: Request) -> None:
         if request.request_id in self.allocator:
             self.allocator.free(request.request_id)
+        self._release_lora_slot(request)
         self._ended.append(request.request_id)
         if self.speculator is not None:
             self.speculator.drop([request.request_id])
+
+    def _release_lora_slot(self, request: Request) -> None:
+        if request.lora_slot >= 0:
+            self.lora_slots.release(request.lora_slot)
+            request.lora_slot = -1
 
 
 class OrcaScheduler(Scheduler):
@@ -529,6 +558,7 @@ class PagedScheduler(Scheduler):
 
     def _preempt(self, request: Request) -> None:
         self.allocator.free(request.request_id)
+        self._release_lora_slot(request)
         request.num_computed = 0
         request.num_sent_blocks = None
         self.running.remove(request)

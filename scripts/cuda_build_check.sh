@@ -76,7 +76,7 @@ print(f"  loaded {found[0]}")
 assert _C.has_cuda(), "orca_ext._C was built without the CUDA kernels"
 missing = []
 for op in ("packed_linear", "logits_linear", "store_kv", "ragged_attention",
-           "apply_token_bitmask"):
+           "apply_token_bitmask", "lora_linear"):
     for key in ("CPU", "CUDA"):
         ok = torch._C._dispatch_has_kernel_for_dispatch_key(f"orca::{op}", key)
         print(f"  orca::{op:<17} {key:<5} kernel: {'yes' if ok else 'MISSING'}")

@@ -91,3 +91,18 @@ def dequantize_kv_int8(rows: torch.Tensor) -> torch.Tensor:
     """An int8 KV cache's rows ``[..., D + 4]`` as float64 values ``[..., D]``."""
     scale = rows[..., -4:].contiguous().view(torch.float32).double()
     return rows[..., :-4].double() * scale
+
+
+def lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                scales: torch.Tensor, cu_seg_lens: torch.Tensor,
+                seg_slots: torch.Tensor) -> torch.Tensor:
+    """float64 ``y`` plus, per segment with a slot, ``scale * (x @ A^T) @ B^T`` (``lora_b`` is
+    B transposed)."""
+    out = y.double().clone()
+    for s, slot in enumerate(seg_slots.tolist()):
+        if slot < 0:
+            continue
+        rows = slice(int(cu_seg_lens[s]), int(cu_seg_lens[s + 1]))
+        out[rows] += scales[slot].double() * (x[rows].double() @ lora_a[slot].double().t()) \
+            @ lora_b[slot].double()
+    return out

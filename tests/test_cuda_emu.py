@@ -83,7 +83,7 @@ def emu_binary(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("suite", ["attention", "attention_items", "store_kv", "linear"])
+@pytest.mark.parametrize("suite", ["attention", "attention_items", "store_kv", "linear", "lora"])
 def test_cuda_kernels_emulated(emu_binary, suite):
     res = subprocess.run([str(emu_binary), suite], capture_output=True, text=True, timeout=1200)
     failures = [line for line in res.stdout.splitlines() if line.startswith("FAIL")]

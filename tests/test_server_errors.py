@@ -75,7 +75,7 @@ BAD = [
     ("POST", CMPL, ok(structured_outputs={"choice": []}), 400, "structured_outputs"),
     ("POST", CMPL, ok(structured_outputs={"xml": "a"}), 400, "structured_outputs"),
     ("POST", CMPL, ok(response_format={"type": "xml"}), 400, "response_format"),
-    ("POST", CMPL, ok(model="gpt-9"), 400, "model"),  # unknown model
+    ("POST", CMPL, ok(model="gpt-9"), 404, "model"),  # unknown model (vLLM: 404)
     ("POST", CMPL, {"prompt": "x" * (1 << 20 | 1)}, 413, None),  # body over 1 MiB
     ("POST", CHAT, {"model": MODEL}, 400, "messages"),
     ("POST", CHAT, {"messages": []}, 400, "messages"),
@@ -97,7 +97,7 @@ BAD = [
     ("POST", CHAT, {"messages": MSGS, "response_format": {"type": "json_schema",
                                                           "json_schema": "x"}},
      400, "response_format"),
-    ("POST", CHAT, {"messages": MSGS, "model": "nope"}, 400, "model"),
+    ("POST", CHAT, {"messages": MSGS, "model": "nope"}, 404, "model"),
     ("GET", CMPL, None, 405, None),
     ("POST", "/v1/nowhere", {}, 404, None),
 ]

@@ -79,7 +79,7 @@ def test_stream_matches_unary(stub):
     (orca_pb2.GenerateRequest(params=Params(max_tokens=2)), grpc.StatusCode.INVALID_ARGUMENT),
     (orca_pb2.GenerateRequest(token_ids=orca_pb2.TokenIds(ids=[100000])),
      grpc.StatusCode.INVALID_ARGUMENT),
-    (orca_pb2.GenerateRequest(text="hi", model="gpt-9"), grpc.StatusCode.INVALID_ARGUMENT),
+    (orca_pb2.GenerateRequest(text="hi", model="gpt-9"), grpc.StatusCode.NOT_FOUND),
     (req(text="x" * (1 << 20 | 1)), grpc.StatusCode.RESOURCE_EXHAUSTED),  # over 1 MiB
 ])
 def test_errors(stub, request_, code):

@@ -102,9 +102,9 @@ def test_document_describes_bodies_streams_and_errors(app):
         body = operation["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": f"#/components/schemas/{request_model}"}
         responses = operation["responses"]
-        assert set(responses) == {"200", "400", "401", "413", "429", "503"}
+        assert set(responses) == {"200", "400", "401", "404", "413", "429", "503"}
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
-        for status in ("400", "401", "413", "429", "503"):
+        for status in ("400", "401", "404", "413", "429", "503"):
             error = responses[status]["content"]["application/json"]["schema"]
             assert error == {"$ref": "#/components/schemas/ErrorResponse"}
     assert {"prompt", "max_tokens", "temperature", "n", "stream"} <= set(

@@ -20,12 +20,18 @@
 #include <memory>
 
 #include "attention_plan.h"
+#include "orca/cpu/lora.h"
+#include "orca/cpu/math.h"
 #include "orca/cpu/norm.h"
 #include "normalized_input.h"
 #include "quant_blocks.h"
 #include "skinny_blocks.h"
 
 namespace orca {
+
+// lora_linear.cpp: the LoRA kernels' ISA, as lora_linear picks it (once per call).
+cpu::lora::Isa stack_lora_isa();
+
 namespace {
 
 // The most tokens a stack of quantized layers takes a call (its linears' y scratch).
@@ -169,6 +175,90 @@ void linear_share(const StackShape& s, Activation act, const LinearStep<scalar_t
   });
 }
 
+// A step's LoRA: each row's adapter slot (-1: none), the slots' scales, the layers' slots.
+struct StepLora {
+  const int32_t* row_slot;  // [T]
+  const float* scales;
+  const std::vector<std::array<DecoderStack::LoraPair, 4>>& pairs;
+  cpu::lora::Isa isa;
+};
+enum LoraLinear { kLoraQkv = 0, kLoraOut = 1, kLoraUp = 2, kLoraDown = 3 };
+
+// This thread's columns [N * tid / nth, N * (tid + 1) / nth) of y [T, N] plus each adapter row's
+// delta from rows [T, K] (as ops.lora_linear: float32 sums, rounded once into y); every thread
+// computes the rows' shrinks (R * K each) itself, the rows of one slot together (its A and B
+// read once). floats: T * (K + R + N) of scratch.
+template <typename scalar_t>
+void lora_share(const StepLora& lora, const DecoderStack::LoraPair& pair, int64_t T,
+                const scalar_t* rows, int64_t K, scalar_t* y, int64_t N, float* floats, int tid,
+                int nth) {
+  const int64_t n0 = N * tid / nth, n1 = N * (tid + 1) / nth, R = pair.a.size(1);
+  if (n0 >= n1) return;
+  const int64_t width = n1 - n0;
+  float* x = floats;             // [T, K]
+  float* acc = x + T * K;        // [T, width]
+  float* shrink = acc + T * width;  // [T, R]
+  const float* a = pair.a.data_ptr<float>();
+  const float* b = pair.b.data_ptr<float>();
+  std::vector<const float*> xs;
+  std::vector<float*> ys;
+  xs.reserve(T);
+  ys.reserve(T);
+  static_assert(kQuantStackMaxT <= 64, "one bit per row");
+  uint64_t done = 0;  // rows handled
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t slot = lora.row_slot[t];
+    if (slot < 0 || (done >> t & 1)) continue;
+    xs.clear();
+    ys.clear();
+    for (int64_t u = t; u < T; ++u) {
+      if (lora.row_slot[u] != slot) continue;
+      done |= uint64_t{1} << u;
+      for (int64_t k = 0; k < K; ++k) x[u * K + k] = static_cast<float>(rows[u * K + k]);
+      for (int64_t n = n0; n < n1; ++n) {
+        acc[u * width + n - n0] = static_cast<float>(y[u * N + n]);
+      }
+      xs.push_back(x + u * K);
+      ys.push_back(acc + u * width);
+    }
+    cpu::lora::add_rows_delta(lora.isa, xs.data(), static_cast<int64_t>(xs.size()), K,
+                              a + slot * R * K, R, b + slot * R * N + n0, N, width,
+                              lora.scales[slot], shrink, ys.data());
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    if (lora.row_slot[t] < 0) continue;
+    for (int64_t n = n0; n < n1; ++n) {
+      y[t * N + n] = static_cast<scalar_t>(acc[t * width + n - n0]);
+    }
+  }
+}
+
+// This thread's columns of mid [T, I] = act(pre) (a gated act: act(pre[:, :I]) * pre[:, I:]),
+// the up linear's epilogue run after its LoRA delta.
+template <typename scalar_t>
+void activation_share(Activation act, const scalar_t* pre, int64_t T, int64_t I, scalar_t* mid,
+                      int tid, int nth) {
+  const int64_t i0 = I * tid / nth, i1 = I * (tid + 1) / nth;
+  const bool gated = is_gated(act);
+  const int64_t width = gated ? 2 * I : I;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float g = static_cast<float>(pre[t * width + i]);
+      float v;
+      if (act == Activation::kSiluAndMul || act == Activation::kGeluTanhAndMul) {
+        const float gate = static_cast<float>(static_cast<scalar_t>(
+            act == Activation::kSiluAndMul ? cpu::silu(g) : cpu::gelu_tanh(g)));
+        v = gate * static_cast<float>(pre[t * width + I + i]);
+      } else {
+        v = act == Activation::kGeluTanh ? cpu::gelu_tanh(g)
+            : act == Activation::kRelu   ? std::max(g, 0.f)
+                                         : g;
+      }
+      mid[t * I + i] = static_cast<scalar_t>(v);
+    }
+  }
+}
+
 template <typename scalar_t>
 void normalize(const scalar_t* x, const StackShape& s, const at::Tensor& weight,
                const std::optional<at::Tensor>& bias, double eps, scalar_t* y) {
@@ -208,7 +298,8 @@ struct StepArgs {
 template <typename scalar_t>
 void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderStack::Layer>& layers,
                  const StepArgs<scalar_t>& a, const AttentionShape& as, double eps,
-                 int64_t step_begin, int64_t step_end, bool add_residual, bool partial) {
+                 int64_t step_begin, int64_t step_end, bool add_residual, bool partial,
+                 const StepLora* lora) {
   const int64_t T = s.T, H = s.hidden, D = s.head_dim;
   const int64_t L = static_cast<int64_t>(layers.size());
   // One attention plan per distinct window among the layers run.
@@ -242,6 +333,13 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
   const int64_t int8_bytes = std::max(cpu::quant::int8_activation_bytes(T, widest),
                                       cpu::quant::amx_activation_bytes(T, widest));
   at::Tensor int8 = at::empty({nth, int8_bytes}, opts.dtype(at::kByte));
+  // LoRA: the up linear's pre-activation rows, and each thread's delta scratch.
+  const int64_t up_width = is_gated(s.act) ? 2 * s.inter : s.inter;
+  at::Tensor pre = lora ? at::empty({T, up_width}, opts) : at::Tensor();
+  const int64_t lora_floats =
+      lora ? T * (widest + std::max({s.qkv_width, H, up_width}) +
+                  lora->pairs[0][kLoraQkv].a.size(1)) : 0;
+  at::Tensor lora_scratch = at::empty({nth, lora_floats}, opts.dtype(at::kFloat));
   at::Tensor part_o = at::empty({partial_rows, D}, opts.dtype(at::kFloat));
   at::Tensor part_ml = at::empty({2, partial_rows}, opts.dtype(at::kFloat));
   const cpu::Partials part{part_o.data_ptr<float>(), part_ml.data_ptr<float>(),
@@ -268,18 +366,35 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
     scalar_t* my_normed = normed.data_ptr<scalar_t>() + tid * T * H;
     float* my_floats = floats.data_ptr<float>() + tid * T * widest;
     uint8_t* my_int8 = int8.data_ptr<uint8_t>() + tid * int8_bytes;
+    float* my_lora = lora_scratch.data_ptr<float>() + tid * lora_floats;
     // Step 2l is layer l's attention half, 2l + 1 its MLP half.
     for (int64_t step = step_begin; step < step_end; ++step) {
       const int64_t l = step / 2;
       const DecoderStack::Layer& w = layers[l];
       if (step % 2 == 1) {
         normalize(xp, s, w.mlp_norm, w.mlp_norm_bias, eps, my_normed);
-        linear_share<scalar_t>(s, s.act, {my_normed, H, w.up, nullptr, mid_p, s.inter},
-                               my_floats, my_int8, tid, team);
+        if (lora) {  // the delta goes in before the activation
+          scalar_t* pre_p = pre.data_ptr<scalar_t>();
+          linear_share<scalar_t>(s, Activation::kNone, {my_normed, H, w.up, nullptr, pre_p,
+                                                        up_width}, my_floats, my_int8, tid, team);
+#pragma omp barrier
+          lora_share(*lora, lora->pairs[l][kLoraUp], T, my_normed, H, pre_p, up_width, my_lora,
+                     tid, team);
+#pragma omp barrier
+          activation_share(s.act, pre_p, T, s.inter, mid_p, tid, team);
+        } else {
+          linear_share<scalar_t>(s, s.act, {my_normed, H, w.up, nullptr, mid_p, s.inter},
+                                 my_floats, my_int8, tid, team);
+        }
 #pragma omp barrier
         linear_share<scalar_t>(s, Activation::kNone, {mid_p, s.inter, w.down, residual, sum_p, H},
                                my_floats, my_int8, tid, team);
 #pragma omp barrier
+        if (lora) {
+          lora_share(*lora, lora->pairs[l][kLoraDown], T, mid_p, s.inter, sum_p, H, my_lora, tid,
+                     team);
+#pragma omp barrier
+        }
         if (projected.defined()) {
           post_norm_share(xp, sum_p, s, *w.post_mlp_norm, eps, tid, team);
 #pragma omp barrier
@@ -290,6 +405,11 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
       linear_share<scalar_t>(s, Activation::kNone, {my_normed, H, w.qkv, nullptr, qkv_p,
                                                     s.qkv_width}, my_floats, my_int8, tid, team);
 #pragma omp barrier
+      if (lora) {
+        lora_share(*lora, lora->pairs[l][kLoraQkv], T, my_normed, H, qkv_p, s.qkv_width, my_lora,
+                   tid, team);
+#pragma omp barrier
+      }
       if (tid == 0) {
         if (w.q_norm) {
           const auto e = static_cast<float>(eps);
@@ -340,6 +460,11 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
       linear_share<scalar_t>(s, Activation::kNone, {attn_p, s.num_heads * D, w.out, residual,
                                                     sum_p, H}, my_floats, my_int8, tid, team);
 #pragma omp barrier
+      if (lora) {
+        lora_share(*lora, lora->pairs[l][kLoraOut], T, attn_p, s.num_heads * D, sum_p, H,
+                   my_lora, tid, team);
+#pragma omp barrier
+      }
       if (projected.defined()) {
         post_norm_share(xp, sum_p, s, *w.post_attn_norm, eps, tid, team);
 #pragma omp barrier
@@ -545,6 +670,53 @@ at::Tensor DecoderStack::forward(const at::Tensor& x, const std::vector<at::Tens
              rotary_cos, rotary_sin, 0, 2 * num_layers(), true, false);
 }
 
+at::Tensor DecoderStack::forward_lora(
+    const at::Tensor& x, const std::vector<at::Tensor>& k_caches,
+    const std::vector<at::Tensor>& v_caches, const at::Tensor& cu_q_lens,
+    const at::Tensor& context_lens, const at::Tensor& block_table,
+    const at::Tensor& slot_mapping, const std::optional<at::Tensor>& rotary_cos,
+    const std::optional<at::Tensor>& rotary_sin, const at::Tensor& lora_slots) const {
+  return run(x, k_caches, v_caches, cu_q_lens, context_lens, block_table, slot_mapping,
+             rotary_cos, rotary_sin, 0, 2 * num_layers(), true, false, &lora_slots);
+}
+
+void DecoderStack::set_lora(const std::vector<c10::Dict<std::string, at::Tensor>>& layers,
+                            const at::Tensor& scales) {
+  const int64_t L = num_layers();
+  TORCH_CHECK(static_cast<int64_t>(layers.size()) == L, "set_lora needs one entry per layer (",
+              L, "), got ", layers.size());
+  check_dim(scales, "scales", 1, "[slots]");
+  check_dtype(scales, "scales", at::kFloat);
+  check_contiguous(scales, "scales");
+  const int64_t qkv_width = (num_heads_ + 2 * num_kv_heads_) * head_dim_;
+  const int64_t up_width = is_gated(act_) ? 2 * inter_ : inter_;
+  // name, input width, output width
+  const std::array<std::tuple<const char*, int64_t, int64_t>, 4> shapes{
+      {{"qkv", hidden_, qkv_width}, {"out", num_heads_ * head_dim_, hidden_},
+       {"up", hidden_, up_width}, {"down", inter_, hidden_}}};
+  std::vector<std::array<LoraPair, 4>> pairs(L);
+  for (int64_t l = 0; l < L; ++l) {
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      const auto& [name, in, out] = shapes[i];
+      const std::string a_name = std::string(name) + "_a", b_name = std::string(name) + "_b";
+      TORCH_CHECK(layers[l].contains(a_name) && layers[l].contains(b_name), "set_lora: layer ",
+                  l, " lacks ", a_name, " or ", b_name);
+      const at::Tensor a = layers[l].at(a_name), b = layers[l].at(b_name);
+      for (const auto& [t, what, width] : {std::tuple{&a, a_name, in}, {&b, b_name, out}}) {
+        TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                        t->size(0) == scales.size(0) && t->size(1) == a.size(1) &&
+                        t->size(2) == width,
+                    "set_lora: layer ", l, "'s ", what, " must be contiguous float32 [",
+                    scales.size(0), ", ", a.size(1), ", ", width, "], got ", t->scalar_type(),
+                    " ", shape_str(*t));
+      }
+      pairs[l][i] = {a, b};
+    }
+  }
+  lora_ = std::move(pairs);
+  lora_scales_ = scales;
+}
+
 at::Tensor DecoderStack::forward_partial(
     const at::Tensor& x, const std::vector<at::Tensor>& k_caches,
     const std::vector<at::Tensor>& v_caches, const at::Tensor& cu_q_lens,
@@ -563,7 +735,8 @@ at::Tensor DecoderStack::run(const at::Tensor& x_in, const std::vector<at::Tenso
                              const at::Tensor& block_table, const at::Tensor& slot_mapping,
                              const std::optional<at::Tensor>& rotary_cos,
                              const std::optional<at::Tensor>& rotary_sin, int64_t step_begin,
-                             int64_t step_end, bool add_residual, bool partial) const {
+                             int64_t step_end, bool add_residual, bool partial,
+                             const at::Tensor* lora_slots) const {
   const int64_t L = num_layers();
   TORCH_CHECK(L > 0, "DecoderStack has no layers (add_layer first)");
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L &&
@@ -629,6 +802,26 @@ at::Tensor DecoderStack::run(const at::Tensor& x_in, const std::vector<at::Tenso
                    table = block_table.contiguous();
   check_metadata_values(as, cu.data_ptr<int32_t>(), ctx.data_ptr<int32_t>(),
                         table.data_ptr<int32_t>());
+  // Each row's adapter slot, from its request's.
+  std::vector<int32_t> row_slot;
+  if (lora_slots != nullptr) {
+    TORCH_CHECK(!lora_.empty(), "forward_lora needs the adapters' slots (set_lora first)");
+    check_dim(*lora_slots, "lora_slots", 1, "[B]");
+    check_dtype(*lora_slots, "lora_slots", at::kInt);
+    const int64_t B = cu.size(0) - 1, num_slots = lora_scales_.size(0);
+    TORCH_CHECK(lora_slots->size(0) == B, "lora_slots has ", lora_slots->size(0),
+                " entries but cu_q_lens describes ", B, " requests");
+    const at::Tensor req_slot = lora_slots->contiguous();
+    row_slot.assign(T, -1);
+    for (int64_t r = 0; r < B; ++r) {
+      const int32_t slot = req_slot.data_ptr<int32_t>()[r];
+      TORCH_CHECK(slot >= -1 && slot < num_slots, "lora_slots[", r, "] = ", slot,
+                  " is outside [-1, ", num_slots, ")");
+      for (int32_t t = cu.data_ptr<int32_t>()[r]; t < cu.data_ptr<int32_t>()[r + 1]; ++t) {
+        row_slot[t] = slot;
+      }
+    }
+  }
   at::Tensor x = x_in.contiguous().clone();
   if (T == 0) return x;
   const std::optional<at::Tensor> cos = contiguous(rotary_cos), sin = contiguous(rotary_sin);
@@ -638,8 +831,11 @@ at::Tensor DecoderStack::run(const at::Tensor& x_in, const std::vector<at::Tenso
                                   slots.data_ptr<int64_t>(),
                                   cos ? cos->data_ptr<scalar_t>() : nullptr,
                                   sin ? sin->data_ptr<scalar_t>() : nullptr, rotary_dim};
+    const StepLora lora{row_slot.data(),
+                        lora_scales_.defined() ? lora_scales_.data_ptr<float>() : nullptr, lora_,
+                        stack_lora_isa()};
     fused_stack<scalar_t>(x, s, layers_, args, as, norm_eps_, step_begin, step_end, add_residual,
-                          partial);
+                          partial, lora_slots != nullptr ? &lora : nullptr);
   });
   return x;
 }

@@ -10,6 +10,7 @@
 #include <ATen/core/Dict.h>
 #include <torch/custom_class.h>
 
+#include <array>
 #include <optional>
 #include <string>
 #include <vector>
@@ -76,6 +77,28 @@ class DecoderStack : public torch::CustomClassHolder {
                              const std::optional<at::Tensor>& rotary_sin, int64_t step,
                              bool add_residual) const;
 
+  // LoRA adapter slots, held by reference (the runner refills slots in place): per layer, the
+  // float32 a [slots, R, in] and b [slots, R, out] (B transposed, as lora_linear takes them) of
+  // qkv, out, up and down (names qkv_a, qkv_b, out_a, ...), and the slots' scales [slots].
+  void set_lora(const std::vector<c10::Dict<std::string, at::Tensor>>& layers,
+                const at::Tensor& scales);
+
+  // forward with each request's adapter slot, lora_slots int32 [B] (-1: none): request r's rows
+  // cu_q_lens[r]..cu_q_lens[r + 1] get their slot's delta after each linear (the up linear's
+  // before its activation), as the per-op layers add ops.lora_linear's.
+  at::Tensor forward_lora(const at::Tensor& x, const std::vector<at::Tensor>& k_caches,
+                          const std::vector<at::Tensor>& v_caches, const at::Tensor& cu_q_lens,
+                          const at::Tensor& context_lens, const at::Tensor& block_table,
+                          const at::Tensor& slot_mapping,
+                          const std::optional<at::Tensor>& rotary_cos,
+                          const std::optional<at::Tensor>& rotary_sin,
+                          const at::Tensor& lora_slots) const;
+
+  // One linear's LoRA slots.
+  struct LoraPair {
+    at::Tensor a, b;
+  };
+
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   // The most tokens a call should take (8; 64 where every linear holds blocks, on amx_int8).
   int64_t max_tokens() const;
@@ -86,7 +109,8 @@ class DecoderStack : public torch::CustomClassHolder {
                  const at::Tensor& context_lens, const at::Tensor& block_table,
                  const at::Tensor& slot_mapping, const std::optional<at::Tensor>& rotary_cos,
                  const std::optional<at::Tensor>& rotary_sin, int64_t step_begin,
-                 int64_t step_end, bool add_residual, bool partial) const;
+                 int64_t step_end, bool add_residual, bool partial,
+                 const at::Tensor* lora_slots = nullptr) const;
 
   // Checks that the layer agrees with layer 0 (its optional tensors, widths), then appends it.
   void push_layer(Layer layer, at::ScalarType dtype, int64_t hidden, int64_t inter);
@@ -99,6 +123,8 @@ class DecoderStack : public torch::CustomClassHolder {
   int64_t hidden_ = 0, inter_ = 0, num_rotary_ = 0;  // num_rotary_: 1 + the largest table used
   at::ScalarType dtype_ = at::kFloat;  // the hidden states' (every layer's norms and biases)
   std::vector<Layer> layers_;
+  std::vector<std::array<LoraPair, 4>> lora_;  // per layer: qkv, out, up, down (empty: no LoRA)
+  at::Tensor lora_scales_;
 };
 
 }  // namespace orca

@@ -65,11 +65,20 @@ class Linear(Layer):
         self.bias = _param(out_features) if bias else None
         self.activation = activation
 
+    # Its LoRA adapter slots (``lora.layers.LinearLoRA``), set on an engine with enable_lora.
+    lora: Any = None
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 norm: LayerNorm | RMSNorm | None = None) -> torch.Tensor:
+        if self.lora is not None and self.lora.batch.active:
+            return self.lora.forward(self, x, residual, norm)
+        return self.project(x, self.activation, residual, norm)
+
+    def project(self, x: torch.Tensor, activation: str, residual: torch.Tensor | None = None,
+                norm: LayerNorm | RMSNorm | None = None) -> torch.Tensor:
+        """The op call of ``forward`` with ``activation`` in its epilogue."""
         norm_args = () if norm is None else norm.fused_args()
-        return ops.packed_linear(x, self.weight, self.bias, self.activation, residual,
-                                 *norm_args)
+        return ops.packed_linear(x, self.weight, self.bias, activation, residual, *norm_args)
 
     def logits(self, x: torch.Tensor, norm: LayerNorm | RMSNorm | None = None) -> torch.Tensor:
         """An output head's float32 logits ``norm(x) @ weight.T`` (``ops.logits_linear``: the

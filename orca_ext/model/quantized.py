@@ -68,11 +68,21 @@ class QuantizedLinear(Layer):
         new.bias = linear.bias
         return new
 
+    # Its LoRA adapter slots (``lora.layers.LinearLoRA``), set on an engine with enable_lora.
+    lora: Any = None
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 norm: LayerNorm | RMSNorm | None = None) -> torch.Tensor:
+        if self.lora is not None and self.lora.batch.active:
+            return self.lora.forward(self, x, residual, norm)
+        return self.project(x, self.activation, residual, norm)
+
+    def project(self, x: torch.Tensor, activation: str, residual: torch.Tensor | None = None,
+                norm: LayerNorm | RMSNorm | None = None) -> torch.Tensor:
+        """The op call of ``forward`` with ``activation`` in its epilogue."""
         norm_args = () if norm is None else norm.fused_args()
         return ops.quantized_linear(x, self.weight, self.format, self.in_features, self.bias,
-                                    self.activation, residual, *norm_args)
+                                    activation, residual, *norm_args)
 
     def logits(self, x: torch.Tensor, norm: LayerNorm | RMSNorm | None = None) -> torch.Tensor:
         """float32 logits ``norm(x) @ weight.T``: quantized_linear on float32 rows (bfloat16

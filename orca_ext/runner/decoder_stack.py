@@ -90,16 +90,31 @@ def build_decoder_stack(model: Decoder) -> torch.ScriptObject:
     return stack
 
 
+def set_stack_lora(stack: torch.ScriptObject, model: Decoder, lora_linears: dict,
+                   scales: torch.Tensor) -> None:
+    """Hand the stack the LoRA slots of ``model``'s linears (``lora.layers.LinearLoRA`` by
+    ``layers.{i}.attn.qkv`` ...), by reference: the runner refills them in place."""
+    names = {"qkv": "attn.qkv", "out": "attn.out", "up": "mlp.up", "down": "mlp.down"}
+    layers = [{f"{ours}_{ab}": getattr(lora_linears[f"layers.{i}.{theirs}"], attr)
+               for ours, theirs in names.items() for ab, attr in (("a", "a"), ("b", "b_t"))}
+              for i in range(len(model.layers))]
+    stack.set_lora(layers, scales)
+
+
 def stack_forward(model: Decoder, stack: torch.ScriptObject, input_ids: torch.Tensor,
                   positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                  group: TPGroup | None = None) -> torch.Tensor:
+                  group: TPGroup | None = None,
+                  lora_slots: torch.Tensor | None = None) -> torch.Tensor:
     """``model(input_ids, positions, kv_cache, meta)`` with the blocks run by ``stack`` (on a
     tensor-parallel rank of ``group``: half-layer by half-layer, each sum all-reduced, then a
-    post-norm block's norm and residual add applied as its per-op forward applies them)."""
+    post-norm block's norm and residual add applied as its per-op forward applies them);
+    ``lora_slots`` (int32 [B]) adds each request's adapter delta (``set_stack_lora`` first)."""
     x, rotary = model.embed_inputs(input_ids, positions)
     cos, sin = (None, None) if rotary is None else (rotary[0], rotary[1])
     args = (kv_cache.keys, kv_cache.values, meta.cu_q_lens, meta.context_lens, meta.block_table,
             meta.slot_mapping, cos, sin)
+    if lora_slots is not None:
+        return stack.forward_lora(x, *args, lora_slots)
     if group is None:
         return stack.forward(x, *args)
     post_norms = model.spec.block.post_norms

@@ -29,6 +29,7 @@ class RequestState:
     block_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     num_spec_tokens: int = 0  # the last token_ids are proposals being verified
+    lora_slot: int = -1  # its LoRA adapter's slot (-1: the base model)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -56,6 +57,8 @@ class StepInputs:
     sampled: list[RequestState]
     is_decode: bool  # one new token per request, every request sampled
     speculative: bool = False  # some sampled request verifies proposals
+    # int32 [B]: each request's LoRA adapter slot (-1: none); None when no request has one.
+    lora_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -102,7 +105,8 @@ class InputBatch:
         for new in scheduler_output.new_requests:
             self.requests[new.request_id] = RequestState(new.request_id, new.num_prompt_tokens,
                                                          new.sampling_params,
-                                                         token_ids=list(new.computed_token_ids))
+                                                         token_ids=list(new.computed_token_ids),
+                                                         lora_slot=new.lora_slot)
         for r in scheduler_output.requests:
             state = self.requests[r.request_id]
             state.block_ids.extend(r.new_block_ids)
@@ -121,8 +125,11 @@ class InputBatch:
             [s.block_ids for s in states], [r.num_computed for r in requests], num_rows,
             self.block_size)
         sampled = [s for s, r in zip(states, requests) if r.sample]
+        lora_slots = None
+        if any(s.lora_slot >= 0 for s in states):
+            lora_slots = torch.tensor([s.lora_slot for s in states], dtype=torch.int32)
         return StepInputs(int64_tensor(token_ids), positions,
                           AttentionMetadata(cu_q_lens, context_lens, block_table, slot_mapping),
                           int64_tensor(sample_rows), sampled,
                           len(sampled) == len(requests) and len(token_ids) == len(requests),
-                          len(sample_rows) > len(sampled))
+                          len(sample_rows) > len(sampled), lora_slots)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -12,8 +13,12 @@ from ..model.layers import AttentionMetadata
 from ..sampling import Sampler
 from ..structured import TokenBitmask
 from .cuda_graphs import DecodeGraphs, PinnedUpload, cuda_graphs_enabled
-from .decoder_stack import build_decoder_stack, stack_forward, tp_group, unsupported_reason
+from .decoder_stack import (build_decoder_stack, set_stack_lora, stack_forward, tp_group,
+                            unsupported_reason)
 from .inputs import InputBatch, StepInputs
+
+if TYPE_CHECKING:
+    from ..lora.manager import LoRAManager
 
 _log = logging.getLogger(__name__)
 
@@ -37,8 +42,12 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, kv_cache: KVCache, sampler: Sampler | None = None, *,
                  decoder_stack: bool = True, cuda_graphs: bool | None = None,
-                 cuda_graph_max_context: int | None = None) -> None:
+                 cuda_graph_max_context: int | None = None,
+                 lora_manager: LoRAManager | None = None) -> None:
         self.model, self.kv_cache = model, kv_cache
+        # Steps with adapter rows add their deltas in the DecoderStack, or in the model's own
+        # forward (its linears) where the stack does not run the step.
+        self.lora_manager = lora_manager
         self.sampler = sampler or Sampler()
         self.device = kv_cache.device
         self.inputs = InputBatch(kv_cache.block_size)
@@ -51,6 +60,9 @@ class ModelRunner:
                 self.stack = build_decoder_stack(model)
                 self.stack_max_tokens = self.stack.max_tokens()
                 self.tp_group = tp_group(model)
+                if lora_manager is not None:
+                    set_stack_lora(self.stack, model, lora_manager.linears,
+                                   lora_manager.batch.scales)
                 how = ("one DecoderStack" if self.tp_group is None else
                        f"a DecoderStack, all-reducing across {self.tp_group.size} "
                        "tensor-parallel ranks after each half-layer")
@@ -73,7 +85,12 @@ class ModelRunner:
     # --- the steps of one iteration, shared with the distributed workers ----------------------
 
     def prepare(self, scheduler_output: SchedulerOutput) -> StepInputs:
-        """Apply the batch's deltas and build its tensors (on the CPU; ``to_device`` moves)."""
+        """Apply the batch's deltas and build its tensors (on the CPU; ``to_device`` moves);
+        fill the adapter slots its new requests use."""
+        if self.lora_manager is not None:
+            for new in scheduler_output.new_requests:
+                if new.lora_int_id:
+                    self.lora_manager.activate(new.lora_slot, new.lora_int_id)
         return self.inputs.prepare(scheduler_output)
 
     def to_device(self, inputs: StepInputs) -> StepInputs:
@@ -87,14 +104,26 @@ class ModelRunner:
         else:
             dev = [t.to(self.device, non_blocking=True) for t in host]
         input_ids, positions, cu_q_lens, context_lens, block_table, slot_mapping, rows = dev
+        lora_slots = None if inputs.lora_slots is None else \
+            inputs.lora_slots.to(self.device, non_blocking=True)
         return StepInputs(input_ids, positions,
                           AttentionMetadata(cu_q_lens, context_lens, block_table,
                                             slot_mapping), rows,
-                          inputs.sampled, inputs.is_decode, inputs.speculative)
+                          inputs.sampled, inputs.is_decode, inputs.speculative, lora_slots)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the model's (or this stage's) blocks."""
-        if self.stack is not None and inputs.num_tokens <= self.stack_max_tokens:
+        fits_stack = self.stack is not None and inputs.num_tokens <= self.stack_max_tokens
+        if inputs.lora_slots is not None and fits_stack:
+            return stack_forward(self.model, self.stack, inputs.input_ids, inputs.positions,
+                                 self.kv_cache, inputs.meta, lora_slots=inputs.lora_slots)
+        if inputs.lora_slots is not None:
+            self.lora_manager.set_step(inputs.meta.cu_q_lens, inputs.lora_slots)
+            try:
+                return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+            finally:
+                self.lora_manager.clear_step()
+        if fits_stack:
             return stack_forward(self.model, self.stack, inputs.input_ids, inputs.positions,
                                  self.kv_cache, inputs.meta, self.tp_group)
         return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
@@ -128,7 +157,7 @@ class ModelRunner:
         if not scheduler_output.requests:
             return output
         logits = None
-        if self.graphs is not None and inputs.is_decode:
+        if self.graphs is not None and inputs.is_decode and inputs.lora_slots is None:
             longest = int(inputs.meta.context_lens.max())
             bucket = self.graphs.bucket(len(inputs.sampled), longest)
             if bucket is not None:

@@ -102,6 +102,19 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                     default=None, help="reuse the KV of cached prompt prefixes (default: on for "
                     "the orca and paged policies; the request policy cannot)")
+    lora = p.add_argument_group("LoRA adapters")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="serve LoRA adapters: a request's model field names one")
+    lora.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[],
+                      metavar="NAME=PATH", help="adapters to serve from the start (PEFT folders)")
+    lora.add_argument("--max-loras", type=_positive, default=1,
+                      help="adapters one batch may use (default 1)")
+    lora.add_argument("--max-lora-rank", type=_positive, default=16,
+                      help="the highest adapter rank accepted (default 16)")
+    lora.add_argument("--max-cpu-loras", type=_positive, default=None,
+                      help="adapters whose tensors stay in memory (default --max-loras)")
+    lora.add_argument("--allow-runtime-lora-updating", action="store_true",
+                      help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     srv = p.add_argument_group("server")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
                      "127.0.0.1; 0.0.0.0 for all interfaces)")
@@ -142,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--master-port", type=_port, default=None,
                    help="rendezvous port on node 0 (default: 29500 with several nodes, else free)")
     return p
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
 
 
 def _int_list(text: str) -> list[int]:
@@ -318,11 +338,14 @@ def build_core(args: argparse.Namespace, parallel: Any) -> tuple[Any, list[str]]
     from ..model import load_model, load_model_info
     from .chat import load_chat_template
     from .core import ServingCore
+    from .protocol import APIError
 
     if args.seed is not None and parallel.enabled:
         raise ValueError("--seed does not reach distributed workers (they sample); give each "
                          "request a seed instead")
     chat_template = load_chat_template(args.chat_template)  # before the slow load: fail fast
+    if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
     config = EngineConfig(args.model, dtype=args.dtype, device=args.device,
                           max_model_len=args.max_model_len, max_batch_size=args.max_batch_size,
                           policy=args.policy, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -332,7 +355,9 @@ def build_core(args: argparse.Namespace, parallel: Any) -> tuple[Any, list[str]]
                           parallel_config=parallel if parallel.enabled else None,
                           quantization=args.quantization,
                           speculative_config=args.speculative_config,
-                          kv_cache_dtype=args.kv_cache_dtype)
+                          kv_cache_dtype=args.kv_cache_dtype, enable_lora=args.enable_lora,
+                          max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                          max_cpu_loras=args.max_cpu_loras)
     if parallel.enabled:  # the workers load the weights; this process only the tokenizer
         loaded = load_model_info(args.model)
     else:
@@ -347,7 +372,13 @@ def build_core(args: argparse.Namespace, parallel: Any) -> tuple[Any, list[str]]
         core = ServingCore(async_engine, args.served_model_name or args.model,
                            chat_template=chat_template, api_key=args.api_key,
                            max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-                           log_requests=not args.disable_log_requests)
+                           log_requests=not args.disable_log_requests,
+                           allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+        for name, path in args.lora_modules:
+            core.load_lora(name, path)
+    except APIError as exc:
+        async_engine.shutdown()
+        raise ValueError(f"--lora-modules: {exc.message}") from None
     except ValueError:
         async_engine.shutdown()
         raise

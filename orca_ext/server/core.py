@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import logging
 import time
 import uuid
@@ -19,6 +20,7 @@ from typing import Any
 
 from ..async_engine import AsyncEngine, EngineDeadError
 from ..engine import PromptError
+from ..lora.request import LoRARequest
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .chat import ChatTemplate, ChatTemplateError, NoChatTemplateError
@@ -35,7 +37,8 @@ class ServingCore:
     def __init__(self, engine: AsyncEngine, model_name: str = "orca-tiny", *,
                  chat_template: str | None = None, api_key: str | None = None,
                  max_queue: int | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_requests: bool = True) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_requests: bool = True,
+                 allow_runtime_lora_updating: bool = False) -> None:
         if max_queue is not None and max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.engine = engine
@@ -49,6 +52,9 @@ class ServingCore:
         self.max_body_bytes = max_body_bytes
         self.log_requests = log_requests
         self.metrics = ServerMetrics(engine)
+        # POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist only when allowed.
+        self.allow_runtime_lora_updating = allow_runtime_lora_updating
+        self._lora_ids = itertools.count(1)
 
     # --- checks ------------------------------------------------------------------------------
 
@@ -63,10 +69,50 @@ class ServingCore:
                        else "incorrect API key")
             raise APIError(401, message, code="invalid_api_key")
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError.bad_request(f"the model {model!r} does not exist; this server serves "
-                                       f"{self.model_name!r}", "model", "model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names (None: the base model); 404 for a name the server
+        does not serve, as vLLM answers."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.engine.engine.lora
+        adapter = None if lora is None else lora.by_name(model)
+        if adapter is None:
+            served = [self.model_name, *(r.lora_name for r in self.engine.engine.list_loras())]
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                           f"{', '.join(map(repr, served))}", param="model",
+                           code="model_not_found")
+        return adapter
+
+    # --- LoRA adapters -----------------------------------------------------------------------
+
+    def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Read and add an adapter under a new id; 400 naming what is wrong (nothing changes)."""
+        if not name or name == self.model_name:
+            raise APIError.bad_request(f"lora_name {name!r} must be a name other than the base "
+                                       "model's", "lora_name")
+        if self.engine.engine.lora is None:
+            raise APIError.bad_request("this server was started without --enable-lora",
+                                       "lora_name")
+        if self.engine.engine.lora.by_name(name) is not None:
+            raise APIError.bad_request(f"the LoRA adapter {name!r} has already been loaded",
+                                       "lora_name")
+        try:
+            request = LoRARequest(name, next(self._lora_ids), path)
+            self.engine.engine.add_lora(request)
+        except ValueError as exc:
+            raise APIError.bad_request(str(exc), "lora_path") from None
+        return request
+
+    def unload_lora(self, name: str) -> LoRARequest:
+        """Forget an adapter; 404 if unknown, 400 while unfinished requests use it."""
+        request = self.check_model(name) if name != self.model_name else None
+        if request is None:
+            raise APIError(404, f"the LoRA adapter {name!r} cannot be found", param="lora_name",
+                           code="model_not_found")
+        try:
+            return self.engine.engine.remove_lora(request.lora_int_id)
+        except ValueError as exc:
+            raise APIError.bad_request(str(exc), "lora_name") from None
 
     def check_healthy(self) -> None:
         if not self.engine.is_healthy():
@@ -141,13 +187,15 @@ class ServingCore:
         return f"{prefix}-{uuid.uuid4().hex}"
 
     async def start(self, prompts: list[list[int]], params: SamplingParams,
-                    request_id: str) -> Generation:
-        """Add every prompt and wait for each one's first output; APIError on bad input, a full
-        queue or a dead engine (nothing is left running then)."""
+                    request_id: str, lora_request: LoRARequest | None = None) -> Generation:
+        """Add every prompt (with ``lora_request``'s adapter, if any) and wait for each one's
+        first output; APIError on bad input, a full queue or a dead engine (nothing is left
+        running then)."""
         self.check_healthy()
         ids = [request_id] if len(prompts) == 1 else \
             [f"{request_id}-{i}" for i in range(len(prompts))]
-        streams = [self.engine.generate(p, params, rid) for p, rid in zip(prompts, ids)]
+        streams = [self.engine.generate(p, params, rid, lora_request)
+                   for p, rid in zip(prompts, ids)]
         tasks = [asyncio.ensure_future(self._first(s)) for s in streams]
         try:
             firsts = list(await asyncio.gather(*tasks))

@@ -92,7 +92,7 @@ class OrcaServicer(orca_pb2_grpc.OrcaServicer):
         core = self.core
         metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
         core.check_api_key(metadata.get("authorization"))
-        core.check_model(request.model or None)
+        lora_request = core.check_model(request.model or None)
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise APIError.bad_request("prompt: give text or token_ids", "prompt")
@@ -114,7 +114,7 @@ class OrcaServicer(orca_pb2_grpc.OrcaServicer):
         params = sampling_params({**given, "max_tokens": max_tokens})
         await core.compile_structured(params, "structured_outputs")
         request_id = request.request_id or core.new_request_id("grpc")
-        return await core.start(prompt_ids, params, request_id), request_id
+        return await core.start(prompt_ids, params, request_id, lora_request), request_id
 
     async def _abort(self, context: grpc.aio.ServicerContext, error: APIError) -> None:
         code = status_code(error)

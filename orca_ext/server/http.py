@@ -85,13 +85,17 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
     @app.get("/v1/models", response_model=None, responses=_documented(ModelList, 401))
     async def models(request: Request) -> JSONResponse:
         core.check_api_key(request.headers.get("authorization"))
-        return JSONResponse({"object": "list", "data": [{
-            "id": core.model_name, "object": "model", "created": _STARTED, "owned_by": "orca_ext",
-            "max_model_len": core.max_model_len}]})
+        base = {"id": core.model_name, "object": "model", "created": _STARTED,
+                "owned_by": "orca_ext", "max_model_len": core.max_model_len,
+                "root": core.model_name, "parent": None}
+        adapters = [{**base, "id": r.lora_name, "root": r.lora_path, "parent": core.model_name}
+                    for r in core.engine.engine.list_loras()]
+        return JSONResponse({"object": "list", "data": [base, *adapters]})
 
     async def completions(body: CompletionRequest, request: Request) -> Response:
         body.check()
-        core.check_model(body.model)
+        lora_request = core.check_model(body.model)
+        model_name = core.model_name if lora_request is None else lora_request.lora_name
         texts = body.prompts()
         prompt_ids = [await core.tokenize_async(p) for p in texts]
         max_tokens = core.max_new_tokens(prompt_ids, body.max_tokens)
@@ -100,10 +104,11 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
         echoes = [(p if isinstance(p, str) else _decode(core, p)) if body.echo else ""
                   for p in texts]
         request_id = core.new_request_id("cmpl")
-        generation = await _race(request, core.start(prompt_ids, params, request_id))
+        generation = await _race(request, core.start(prompt_ids, params, request_id,
+                                                     lora_request))
         if body.stream:
             return _SSEResponse(_completion_chunks(generation, body, params.n, request_id,
-                                                   core.model_name, echoes, token_text),
+                                                   model_name, echoes, token_text),
                                 generation)
         outputs = await _race(request, generation.final())
         choices = []
@@ -114,12 +119,13 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
                     "logprobs": None if c.logprobs is None else completion_logprobs(
                         c.token_ids, c.logprobs, token_text, len(echoes[i])),
                     **finish_fields(c)})
-        return JSONResponse(completion_response(request_id, core.model_name, now(), choices,
+        return JSONResponse(completion_response(request_id, model_name, now(), choices,
                                                 usage_of(outputs)))
 
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         body.check()
-        core.check_model(body.model)
+        lora_request = core.check_model(body.model)
+        model_name = core.model_name if lora_request is None else lora_request.lora_name
         tools = tool_setup(body.tools, body.tool_choice, body.parallel_tool_calls)
         messages, template_tools = conversation([m.for_template() for m in body.messages],
                                                 tools, core.chat_template.uses_tools)
@@ -139,10 +145,11 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
             structured_param = "tools"
         await core.compile_structured(params, structured_param)
         request_id = core.new_request_id("chatcmpl")
-        generation = await _race(request, core.start(prompt_ids, params, request_id))
+        generation = await _race(request, core.start(prompt_ids, params, request_id,
+                                                     lora_request))
         if body.stream:
             return _SSEResponse(_chat_chunks(generation, body, params.n, request_id,
-                                             core.model_name, token_text, tools), generation)
+                                             model_name, token_text, tools), generation)
         (output,) = await _race(request, generation.final())
         choices = []
         for c in output.outputs:
@@ -159,7 +166,7 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
                 "logprobs": None if c.logprobs is None else chat_logprobs(
                     c.token_ids, c.logprobs, token_text, body.top_logprobs or 0),
                 **finish})
-        return JSONResponse(chat_response(request_id, core.model_name, now(), choices,
+        return JSONResponse(chat_response(request_id, model_name, now(), choices,
                                           usage_of([output])))
 
     async def tokenize(body: TokenizeRequest, request: Request) -> Response:
@@ -200,8 +207,12 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
     for path, endpoint, response in (("/tokenize", tokenize, TokenizeResponse),
                                      ("/detokenize", detokenize, DetokenizeResponse)):
         app.router.add_api_route(path, endpoint, methods=["POST"], response_model=None,
-                                 responses=_documented(response, 400, 401, 413),
+                                 responses=_documented(response, 400, 401, 404, 413),
                                  route_class_override=_BodyRoute)
+    if core.allow_runtime_lora_updating:
+        from .lora_routes import add_lora_routes
+
+        add_lora_routes(app, core, _BodyRoute)
     add_web_routes(app, core)
     app.add_middleware(_CountRequests, core=core)
     app.openapi = lambda: _openapi_document(app)  # type: ignore[method-assign]
@@ -223,7 +234,7 @@ def _openapi_document(app: FastAPI) -> dict[str, Any]:
 
 # What a generation request can be refused with: bad input, no or a wrong API key, a body over
 # the limit, a full queue, a dead engine.
-_GENERATION_ERRORS = (400, 401, 413, 429, 503)
+_GENERATION_ERRORS = (400, 401, 404, 413, 429, 503)
 _SSE_DESCRIPTION = ("With stream=true: server-sent events, `data: <chunk>` lines (the JSON "
                     "response's description says what a chunk holds), then `data: [DONE]`")
 

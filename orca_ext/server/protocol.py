@@ -475,6 +475,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int
+    root: str | None = None  # the model's name, or an adapter's path
+    parent: str | None = None  # a LoRA adapter's base model; None for the base
 
 
 class ModelList(BaseModel):

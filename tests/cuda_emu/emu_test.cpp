@@ -1,7 +1,7 @@
 // Executes the orca CUDA kernels (csrc/include/orca/cuda/*.cuh) on the CPU through the SIMT
 // emulation in orca_cuda_emulate.h and compares them with double-precision references.
 // Built and run by tests/test_cuda_emu.py; exits non-zero on a mismatch.
-//   emu_test [attention|attention_items|store_kv|linear|all]
+//   emu_test [attention|attention_items|store_kv|linear|lora|all]
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -12,6 +12,7 @@
 
 #include "orca/cuda/attention.cuh"
 #include "orca/cuda/linear.cuh"
+#include "orca/cuda/lora.cuh"
 #include "orca/cuda/store_kv.cuh"
 
 using namespace orca::cuda;
@@ -565,6 +566,79 @@ void linear_suite() {
   test_epilogues<T>();
 }
 
+// ---- lora_linear ---------------------------------------------------------------------------
+
+// Segments of rows with their slots (-1: the base; an empty segment; a slot out of range is
+// skipped), one CTA per row, against float64 sums.
+template <typename T>
+void test_lora(int K, int N, int R, const std::vector<int>& seg_lens,
+               const std::vector<int>& seg_slots) {
+  const int L = 3, S = static_cast<int>(seg_lens.size());
+  std::vector<int32_t> cu(S + 1, 0);
+  for (int s = 0; s < S; ++s) cu[s + 1] = cu[s] + seg_lens[s];
+  const int Tn = cu[S];
+  std::vector<T> x(static_cast<size_t>(Tn) * K), y(static_cast<size_t>(Tn) * N);
+  std::vector<float> a(static_cast<size_t>(L) * R * K), b(static_cast<size_t>(L) * R * N), sc(L);
+  for (auto& v : x) v = cast<T>(uniform(-1, 1));
+  for (auto& v : y) v = cast<T>(uniform(-1, 1));
+  for (auto& v : a) v = uniform(-0.3f, 0.3f);
+  for (auto& v : b) v = uniform(-0.3f, 0.3f);
+  for (auto& v : sc) v = uniform(0.5f, 2.f);
+  const std::vector<T> y0 = y;
+  const std::vector<int32_t> slots(seg_slots.begin(), seg_slots.end());
+  LoraParams p{};
+  p.y = y.data();
+  p.x = x.data();
+  p.lora_a = a.data();
+  p.lora_b = b.data();
+  p.scales = sc.data();
+  p.cu_seg_lens = cu.data();
+  p.seg_slots = slots.data();
+  p.T = Tn;
+  p.K = K;
+  p.N = N;
+  p.R = R;
+  p.L = L;
+  p.S = S;
+  p.x_row_stride = K;
+  orca_emu::launch(dim3(Tn), dim3(lora::kThreads), R * sizeof(float),
+                   [&] { lora::lora_linear_kernel<T>(p); });
+  double err = 0;
+  bool base_rows_kept = true;
+  for (int s = 0; s < S; ++s) {
+    for (int t = cu[s]; t < cu[s + 1]; ++t) {
+      const int slot = slots[s];
+      for (int n = 0; n < N; ++n) {
+        double ref = back(y0[static_cast<size_t>(t) * N + n]);
+        if (slot >= 0 && slot < L) {
+          for (int j = 0; j < R; ++j) {
+            double shrink = 0;
+            for (int k = 0; k < K; ++k)
+              shrink += static_cast<double>(back(x[static_cast<size_t>(t) * K + k])) *
+                        a[(static_cast<size_t>(slot) * R + j) * K + k];
+            ref += sc[slot] * shrink * b[(static_cast<size_t>(slot) * R + j) * N + n];
+          }
+        } else if (std::memcmp(&y[static_cast<size_t>(t) * N + n],
+                               &y0[static_cast<size_t>(t) * N + n], sizeof(T)) != 0) {
+          base_rows_kept = false;
+        }
+        const double got = back(y[static_cast<size_t>(t) * N + n]);
+        err = std::max(err, std::abs(got - ref) / (1 + std::abs(ref)));
+      }
+    }
+  }
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "lora_linear %s K=%d N=%d R=%d S=%d", name_of<T>(), K, N, R, S);
+  report(buf, err, std::is_same_v<T, float> ? 1e-5 : 1e-2, base_rows_kept);
+}
+
+template <typename T>
+void lora_suite() {
+  test_lora<T>(64, 96, 8, {1}, {0});
+  test_lora<T>(200, 136, 16, {3, 1, 0, 2, 4}, {1, -1, 2, 0, 7});
+  test_lora<T>(33, 300, 5, {2, 6}, {-1, 2});
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -591,6 +665,11 @@ int main(int argc, char** argv) {
     linear_suite<__nv_bfloat16>();
     linear_suite<__half>();
     linear_suite<float>();
+  }
+  if (which == "lora" || which == "all") {
+    lora_suite<__nv_bfloat16>();
+    lora_suite<__half>();
+    lora_suite<float>();
   }
   std::printf("%s: %d failure(s)\n", g_failures ? "FAILED" : "OK", g_failures);
   return g_failures ? 1 : 0;
