@@ -139,7 +139,8 @@ case("linear-norm-residual", "input layer norm and residual (ATen around the ker
 
 # ---- concurrency, CUDA graphs, large allocations -----------------------------------------
 case("graph-decode-step", "linear -> store_kv -> attention captured, replayed with new metadata",
-     lambda: tc.test_decode_step_cuda_graph_matches_eager(4))
+     lambda: tc.test_decode_step_cuda_graph_matches_eager(4),
+     small=False)  # capture needs the caching allocator, which the sanitizer runs turn off
 case("threads", "launches from four host threads on their own streams",
      tc.test_launches_from_several_host_threads, small=False)
 case("runner-graphs", "the runner's decode CUDA graphs against its eager iterations",

@@ -459,9 +459,9 @@ class RecordingSampler:
     def drop(self, request_ids):
         self.sampler.drop(request_ids)
 
-    def __call__(self, logits, requests):
+    def __call__(self, logits, requests, *args, **kwargs):
         self.logits.append(logits.clone())
-        return self.sampler(logits, requests)
+        return self.sampler(logits, requests, *args, **kwargs)
 
 
 # Decode iterations as the requests running in them: batch sizes 1, 2, 3, 5, 8, 9, 16, 17 and
