@@ -242,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from orca_ext.config import EngineConfig
 
     loaded = serving.load(args)
-    special = set(loaded.eos_token_ids) | {loaded.config.bos_token_id}
+    special = set(loaded.info.eos_token_ids) | {loaded.config.bos_token_id}
     vocab = [t for t in range(loaded.config.vocab_size) if t not in special]
     streams = {("system_prompt", rate): system_prompt_stream(args, vocab, rate)
                for rate in args.rate}

@@ -478,8 +478,8 @@ def spec_for_model(args: argparse.Namespace, loaded: Any | None,
                             args.max_model_len, args.vocab_size, tuple(args.special_ids),
                             prompt_kind)
     return WorkloadSpec(args.workload, tuple(args.prompt_len), tuple(args.output_len),
-                        loaded.max_model_len, loaded.config.vocab_size,
-                        tuple(loaded.eos_token_ids), prompt_kind)
+                        loaded.info.max_model_len, loaded.config.vocab_size,
+                        tuple(loaded.info.eos_token_ids), prompt_kind)
 
 
 def load(args: argparse.Namespace) -> Any:

@@ -58,10 +58,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_max": 4,
 
 
 def _prompt(llm: LLM, messages: list[dict]) -> list[int]:
-    from orca_ext.server.chat import ChatTemplate
-
-    template = ChatTemplate.for_engine(llm.engine)
-    return llm.get_tokenizer().encode(template.render(messages), add_special_tokens=False)
+    return llm.engine.tokenize(messages)[1]
 
 
 def one_stream(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[float, list[int], float]:

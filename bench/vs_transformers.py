@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_pretrained_folder(loaded, args.hf_folder or tmp)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=loaded.dtype).eval()
-    pad_id = loaded.eos_token_ids[0] if loaded.eos_token_ids else 0
+    pad_id = loaded.info.eos_token_ids[0] if loaded.info.eos_token_ids else 0
     warm = dataclasses.replace(requests[0], prompt=requests[0].prompt[:16], prompt_len=16,
                                output_len=4)
     run_hf_static(model, [warm, warm], 2, pad_id)

@@ -138,6 +138,21 @@ PYBIND11_MODULE(_C, m) {
       .def("ref_count", &SlotAllocator::ref_count, py::arg("block"))
       .def("check_invariants", &SlotAllocator::check_invariants,
            "Raise RuntimeError naming the first broken bookkeeping invariant")
+      .def(
+          "check_rows",
+          [](const SlotAllocator& alloc, const std::vector<int64_t>& request_ids,
+             const std::vector<int64_t>& num_computed, const std::vector<int64_t>& num_new) {
+            if (num_computed.size() != request_ids.size() ||
+                num_new.size() != request_ids.size()) {
+              throw std::invalid_argument("check_rows: request_ids, num_computed and num_new "
+                                          "must have the same length");
+            }
+            alloc.check_rows(request_ids.data(), num_computed.data(), num_new.data(),
+                             static_cast<int64_t>(request_ids.size()));
+          },
+          py::arg("request_ids"), py::arg("num_computed"), py::arg("num_new"),
+          "ValueError unless every row's new tokens fit its request's blocks and none lands "
+          "in a cached (read-only, maybe shared) block")
       .def_property_readonly("num_blocks", &SlotAllocator::num_blocks)
       .def_property_readonly("block_size", &SlotAllocator::block_size)
       .def_property_readonly("num_free_blocks", &SlotAllocator::num_free_blocks)
@@ -145,8 +160,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("num_requests", &SlotAllocator::num_requests)
       .def_property_readonly("num_cached_blocks", &SlotAllocator::num_cached_blocks)
       .def_property_readonly("num_evictable_blocks", &SlotAllocator::num_evictable_blocks)
-      .def_property_readonly("prefix_queries", &SlotAllocator::prefix_queries)
-      .def_property_readonly("prefix_hits", &SlotAllocator::prefix_hits)
       .def("build_metadata", &allocator_metadata, py::arg("request_ids"),
            py::arg("num_computed"), py::arg("num_new"),
            "(cu_q_lens, context_lens, block_table, slot_mapping, positions) for one iteration");

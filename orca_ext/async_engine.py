@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .engine import Engine, EngineStats
+from .engine import Engine, EngineStats, PreparedPrompt, Prompt
 from .lora.request import LoRARequest
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -62,10 +62,11 @@ class AsyncEngine:
 
         return cls(build_engine(config), stuck_timeout=stuck_timeout)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, lora_request: LoRARequest | None = None
-                       ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs (with ``lora_request``'s adapter, if given). Bad input
+    async def generate(self, prompt: Prompt | PreparedPrompt,
+                       params: SamplingParams | None = None, request_id: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (``Engine.add_request`` takes the prompt and params, or
+        a prompt ``Engine.prepare`` gave; with ``lora_request``'s adapter, if given). Bad input
         raises ValueError naming the field, before the first output; a dead engine raises
         EngineDeadError."""
         request_id = uuid.uuid4().hex if request_id is None else request_id

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from .llm import LLM
 from .model.builtin import DEFAULT_MODEL
 from .sampling_params import SamplingParams
-from .server.chat import load_chat_template
+from .chat import load_chat_template
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 top_p=args.top_p, seed=args.seed)
         llm = LLM(args.model, dtype=args.dtype, policy=args.policy)
         chat = args.chat if args.chat is not None else \
-            template is not None or llm.engine.chat_template is not None
+            template is not None or llm.engine.info.chat_template is not None
         if chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
                                use_tqdm=len(prompts) > 1, chat_template=template)

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from .model.builtin import DEFAULT_MODEL
-from .model.loader import resolve_dtype, runs_quantized
+from .model.dtypes import check_dtype, resolve_dtype
+from .quantize import check_quantization
 from .scheduler import SchedulerConfig
 from .spec_decode import SpeculativeConfig
 
@@ -41,7 +42,9 @@ class EngineConfig:
     stores them with a scale per token and KV head (CPU, one process), so the KV budget holds
     more tokens. ``enable_lora`` serves LoRA adapters (``lora/``, one process): up to
     ``max_loras`` of them in one batch, of rank up to ``max_lora_rank``, and the tensors of
-    ``max_cpu_loras`` (default ``max_loras``) kept on the CPU."""
+    ``max_cpu_loras`` (default ``max_loras``) kept on the CPU. ``check_kv_writes`` (debugging)
+    checks every batch's KV writes against its requests' blocks before it runs: a write into
+    a cached, possibly shared block raises."""
 
     model: str | LoadedModel = DEFAULT_MODEL
     dtype: torch.dtype | str = "auto"
@@ -64,6 +67,7 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    check_kv_writes: bool = False
 
     def __post_init__(self) -> None:
         if self.device is None and not isinstance(self.model, str):
@@ -81,8 +85,10 @@ class EngineConfig:
             if not in_process and self.quantization not in (None, "none"):
                 raise ValueError(f"quantization: {self.quantization!r} runs in one process; "
                                  "distributed workers load float weights")
-            quantized = in_process and runs_quantized(self.model, self.quantization, device)
-            self.dtype = resolve_dtype(self.dtype, device, quantized)
+            check_quantization(self.quantization, device)
+            self.dtype = check_dtype(self.dtype)  # "auto" is resolved at build (``resolved``)
+            if self.quantization not in (None, "none") and self.dtype != "auto":
+                resolve_dtype(self.dtype, device, quantized=True)  # refuses float16
         elif self.quantization is not None:
             raise ValueError(f"quantization: {self.quantization!r} asked for a loaded model; "
                              "pass quantization to load_model, or pass the model's name")
@@ -101,7 +107,7 @@ class EngineConfig:
                              f"kv_cache_memory={self.kv_cache_memory}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        self.kv_dtype()  # checks kv_cache_dtype against the dtype and device
+        self._kv_dtype(torch.float32 if self.dtype == "auto" else self.dtype)  # a check
         if self.kv_cache_dtype != "auto" and not in_process:
             raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} runs in one process; "
                              "distributed workers keep the activations' dtype")
@@ -123,11 +129,30 @@ class EngineConfig:
             raise ValueError("speculative_config.method 'draft_model' runs in one process; with "
                              "tensor or pipeline parallelism use method 'ngram'")
 
+    def resolved(self) -> EngineConfig:
+        """This config with its dtype resolved (``"auto"``; float16 refused for quantized
+        kernels), which reads the model's files (is it a quantized GGUF file?) and the CPU's
+        flags: ``build_engine`` calls it, so that the checks above do no I/O."""
+        if not isinstance(self.model, str):
+            return self  # a loaded model's own dtype
+        from .model.loader import runs_quantized
+
+        quantized = not self.distributed and runs_quantized(self.model, self.quantization,
+                                                            self.device)
+        dtype = resolve_dtype(self.dtype, self.device, quantized)
+        return self if dtype == self.dtype else self.replace(dtype=dtype)
+
     def kv_dtype(self) -> torch.dtype:
-        """The KV cache's dtype (``kv_cache_dtype`` resolved for the model's dtype and device)."""
+        """The KV cache's dtype (``kv_cache_dtype`` resolved for the model's dtype and device);
+        on a ``resolved`` config."""
+        if self.dtype == "auto":
+            raise ValueError("kv_dtype: resolve the config's dtype first (EngineConfig.resolved)")
+        return self._kv_dtype(self.dtype)
+
+    def _kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
         from .kv.cache import resolve_kv_cache_dtype
 
-        return resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype, self.device)
+        return resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, self.device)
 
     def _check_lora(self) -> None:
         if self.max_cpu_loras is None:
@@ -150,7 +175,7 @@ class EngineConfig:
         return SchedulerConfig(self.policy, self.max_batch_size, self.pipeline_parallel_size,
                                self.max_num_batched_tokens, bool(self.enable_prefix_caching),
                                self.prefix_cache_salt(),
-                               self.max_loras if self.enable_lora else 0)
+                               self.max_loras if self.enable_lora else 0, self.check_kv_writes)
 
     def prefix_cache_salt(self) -> int:
         """The block hashes' extra key: a stable signed 64-bit digest of what, besides the

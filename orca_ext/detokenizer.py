@@ -1,7 +1,10 @@
-"""Incremental detokenization of one sequence, and stop strings."""
+"""Token ids back to text: incremental detokenization of one sequence with its stop strings
+(``Detokenizer``), and one token's own text and bytes for logprobs (``TokenText``)."""
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
+
+from .model.tokenizer import bytes_to_unicode
 
 # Prompt tokens decoded as left context, so that a first output token whose text depends on its
 # neighbour (e.g. a leading space) decodes as it would inside the whole sequence.
@@ -63,3 +66,52 @@ class Detokenizer:
         if finished or not self._holdback:
             return self.text
         return self.text[:max(0, len(self.text) - self._holdback)]
+
+
+# GPT-2's byte-level alphabet read back: printable character -> the byte it stands for.
+_BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+class TokenText:
+    """Token id -> (text, bytes) of that token alone, for logprobs; cached. A token that is
+    not whole UTF-8 (part of a multi-byte character) shows as ``bytes:\\xe2\\x80``, as
+    OpenAI writes it, when the tokenizer is byte-level."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> str:
+        return self.entry(token_id)[0]
+
+    def bytes(self, token_id: int) -> list[int]:
+        return self.entry(token_id)[1]
+
+    def entry(self, token_id: int) -> tuple[str, list[int]]:
+        entry = self._cache.get(token_id)
+        if entry is None:
+            entry = self._lookup(token_id)
+            if len(self._cache) < 1 << 16:
+                self._cache[token_id] = entry
+        return entry
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
+        tokenizer = self._tokenizer
+        if tokenizer is None:
+            return f"<{token_id}>", []
+        try:
+            text = tokenizer.decode([token_id], skip_special_tokens=False)
+        except TypeError:
+            text = tokenizer.decode([token_id])
+        raw = None
+        inner = getattr(tokenizer, "inner", None)
+        if inner is not None and hasattr(inner, "id_to_token"):
+            piece = inner.id_to_token(token_id)
+            if piece and all(c in _BYTE_OF_CHAR for c in piece):
+                raw = bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if "\ufffd" in text and raw is not None:
+            try:
+                raw.decode()
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
+        return text, list(text.encode())

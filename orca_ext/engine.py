@@ -8,13 +8,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .activity import Activity, ActivitySample
 from .batch import RunnerOutput, SchedulerOutput, TokenLogprobs
-from .detokenizer import Detokenizer, Tokenizer
+from .chat import ChatTemplate, ChatTemplateError, NoChatTemplateError
+from .detokenizer import Detokenizer
 from .lora.request import LoRARequest
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request
@@ -22,16 +22,37 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerStats
 from .structured import StructuredOutputs, TokenBitmask
 
+if TYPE_CHECKING:
+    from .model.loader import ModelInfo
+
 _log = logging.getLogger(__name__)
 
 
 class PromptError(ValueError):
-    """A prompt the engine cannot take; ``param`` names the field, ``code`` is
-    ``"context_length_exceeded"`` for one longer than the context."""
+    """A request the engine cannot take (``Engine.prepare``'s one error type): ``param`` names
+    the field, ``code`` is ``"context_length_exceeded"`` for a prompt, or a prompt and its
+    ``max_tokens``, longer than the context, ``"no_chat_template"`` for chat messages to a
+    model without a chat template."""
 
-    def __init__(self, message: str, param: str = "prompt", code: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = "prompt",
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.param, self.code = param, code
+
+
+# What a front end passes as a prompt: text, token ids, or chat messages.
+Prompt = str | list[int] | list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A prompt and its params as ``Engine.prepare`` checked them: ``add_request`` takes it as
+    it is."""
+
+    text: str | None  # None for token ids
+    token_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int  # the params' max_tokens, or the rest of the context for None
 
 
 class Executor(Protocol):
@@ -100,11 +121,8 @@ class Engine:
     runs a batch.
     """
 
-    def __init__(self, executor: Executor | PipelinedExecutor, scheduler: Scheduler, *,
-                 max_model_len: int, tokenizer: Tokenizer | None = None,
-                 eos_token_ids: Iterable[int] = (), vocab_size: int | None = None,
-                 chat_template: str | None = None, bos_token_id: int | None = None,
-                 eos_token_id: int | None = None) -> None:
+    def __init__(self, executor: Executor | PipelinedExecutor, scheduler: Scheduler,
+                 info: ModelInfo) -> None:
         if scheduler.config.num_batches_in_flight == 1:
             self._executor: PipelinedExecutor = _InlineExecutor(executor)
         elif hasattr(executor, "submit") and hasattr(executor, "collect"):
@@ -113,14 +131,9 @@ class Engine:
             raise ValueError("num_batches_in_flight > 1 needs an executor with submit/collect")
         self.executor = executor
         self.scheduler = scheduler
-        self.max_model_len = max_model_len
-        self.tokenizer = tokenizer
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.vocab_size = vocab_size
-        self.chat_template = chat_template  # the model's own (jinja2), None if it has none
-        # The tokenizer's own begin and end of sequence: a chat template's bos_token, eos_token.
-        self.bos_token_id = bos_token_id
-        self.eos_token_id = eos_token_id
+        self.info = info  # the model: limits, tokenizer, stop ids, chat template
+        self.eos_token_ids = frozenset(info.eos_token_ids)
+        self._chat_template: ChatTemplate | None = None
         self.num_generated_tokens = 0
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[int, _Sequence] = {}
@@ -128,31 +141,35 @@ class Engine:
         self._next_id = itertools.count()
         self._lock = threading.Lock()
         self.activity = Activity()  # the dashboard's record; read it with activity_sample
-        self.structured = StructuredOutputs(tokenizer, vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputs(info.tokenizer, info.vocab_size, self.eos_token_ids)
         self._num_constrained = 0  # unfinished sequences with a matcher
         if scheduler.speculator is not None:
             scheduler.speculator.allowed_prefix = self._allowed_prefix
         # The runner's LoRA adapters (``lora.manager.LoRAManager``), None without enable_lora.
         self.lora = getattr(executor, "lora_manager", None)
 
-    def add_request(self, request_id: str, prompt: str | list[int],
+    def add_request(self, request_id: str, prompt: Prompt | PreparedPrompt,
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
                     stream: bool = True, lora_request: LoRARequest | None = None) -> None:
-        """Queue a request. Bad input raises ValueError naming the field, and changes nothing.
-        With ``stream`` False (or a scheduler that ``holds_outputs``), ``step`` reports the
-        request only once it has finished. ``lora_request`` runs it with that LoRA adapter
-        (read and checked now, the first time its id is seen)."""
-        prompt_text, prompt_ids = self.tokenize(prompt)
-        params = self._check_params(params)
+        """Queue a request: a prompt with its params (``prepare``d here), or one ``prepare``
+        gave (then without params). Bad input raises ValueError naming the field, and changes
+        nothing. With ``stream`` False (or a scheduler that ``holds_outputs``), ``step``
+        reports the request only once it has finished. ``lora_request`` runs it with that LoRA
+        adapter (read and checked now, the first time its id is seen)."""
+        if isinstance(prompt, PreparedPrompt):
+            if params is not None:
+                raise ValueError("params: a prepared prompt carries its own")
+            prepared = prompt
+        else:
+            prepared = self.prepare(prompt, params)
+        prompt_text, prompt_ids = prepared.text, prepared.token_ids
+        params, max_new = prepared.params, prepared.max_new_tokens
         lora_int_id = 0
         if lora_request is not None:
             self.add_lora(lora_request)
             lora_int_id = lora_request.lora_int_id
         spec = params.structured_outputs
         compiled = None if spec is None else self.structured.compile(spec)
-        # vLLM's rule: prompt + output <= max_model_len, but always at least one new token.
-        max_new = min(params.max_tokens, max(1, self.max_model_len - len(prompt_ids)))
-        self.scheduler.check_fits(len(prompt_ids), max_new)
         stops = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stops |= self.eos_token_ids
@@ -167,8 +184,8 @@ class Engine:
                     params, n=1, seed=None if params.seed is None else params.seed + i)
             request = Request(next(self._next_id), prompt_ids, child, max_new, stops,
                               lora_int_id=lora_int_id)
-            detokenizer = (None if self.tokenizer is None
-                           else Detokenizer(self.tokenizer, prompt_ids, params.stop))
+            detokenizer = (None if self.info.tokenizer is None
+                           else Detokenizer(self.info.tokenizer, prompt_ids, params.stop))
             wants_logprobs = params.logprobs is not None
             group.sequences.append(_Sequence(
                 request, group, detokenizer, [] if wants_logprobs else None,
@@ -275,35 +292,99 @@ class Engine:
                            num_iterations=self.activity.num_iterations,
                            iteration_seconds=self.activity.iteration_seconds)
 
-    def tokenize(self, prompt: str | list[int], *, add_special_tokens: bool = True,
-                 param: str = "prompt") -> tuple[str | None, list[int]]:
-        """The prompt's text (None for token ids) and its token ids, checked: the one prompt
-        validator, for ``add_request`` and the servers. Bad input raises ``PromptError``."""
+    def prepare(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                add_special_tokens: bool | None = None, chat_template: ChatTemplate | None = None,
+                add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+                max_tokens_param: str = "max_tokens") -> PreparedPrompt:
+        """The one entrance of a request (``LLM``, HTTP and gRPC): its prompt as token ids (chat
+        messages rendered with ``chat_template``, default the model's) and its params checked,
+        with vLLM's rule for the output's length: ``max_tokens`` None generates up to the
+        context, and a prompt plus an explicit ``max_tokens`` longer than the context is an
+        error naming both. Every bad value raises ``PromptError``; nothing changes."""
+        text, ids = self.tokenize(prompt, add_special_tokens=add_special_tokens,
+                                  chat_template=chat_template,
+                                  add_generation_prompt=add_generation_prompt, tools=tools)
+        params = self._check_params(params)
+        param = "messages" if _is_chat(prompt) else "prompt"
+        limit, room = self.info.max_model_len, self.info.max_model_len - len(ids)
+        if params.max_tokens is None:
+            if room < 1:
+                raise PromptError(f"the {param} ({len(ids)} tokens) fills the model's context "
+                                  f"({limit} tokens): no room to generate", param,
+                                  "context_length_exceeded")
+            max_new = room
+        elif params.max_tokens > room:
+            raise PromptError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the {param}, "
+                f"{params.max_tokens} for the completion). Reduce the {param} or "
+                f"{max_tokens_param}.", max_tokens_param, "context_length_exceeded")
+        else:
+            max_new = params.max_tokens
+        try:
+            self.scheduler.check_fits(len(ids), max_new)
+        except ValueError as exc:
+            raise PromptError(str(exc), max_tokens_param) from None
+        return PreparedPrompt(text, ids, params, max_new)
+
+    def tokenize(self, prompt: Prompt, *, add_special_tokens: bool | None = None,
+                 chat_template: ChatTemplate | None = None, add_generation_prompt: bool = True,
+                 tools: list[dict[str, Any]] | None = None) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids) and its token ids, checked against the
+        vocabulary and the context (``prepare``'s first half, and POST /tokenize). Chat
+        messages are rendered with ``chat_template`` (default: the model's) and tokenized
+        without added special tokens (the template writes them) unless
+        ``add_special_tokens``. Bad input raises ``PromptError``."""
+        param = "prompt"
+        if _is_chat(prompt):
+            param = "messages"
+            prompt = self._render_chat(prompt, chat_template, add_generation_prompt, tools)
+            add_special_tokens = bool(add_special_tokens)
+        tokenizer = self.info.tokenizer
         if isinstance(prompt, str):
-            if self.tokenizer is None:
+            if tokenizer is None:
                 raise PromptError(f"{param}: text needs a tokenizer; send token ids instead",
                                   param)
             text, ids = prompt, []
             if prompt:
+                special = True if add_special_tokens is None else add_special_tokens
                 try:
-                    ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+                    ids = tokenizer.encode(prompt, add_special_tokens=special)
                 except TypeError:  # a tokenizer whose encode takes no such argument
-                    ids = self.tokenizer.encode(prompt)
+                    ids = tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise PromptError(f"{param}: token ids must be integers", param)
         if not ids:
             raise PromptError(f"{param}: must not be empty", param)
-        bad = [t for t in ids if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
+        vocab = self.info.vocab_size
+        bad = [t for t in ids if t < 0 or t >= vocab]
         if bad:
             raise PromptError(f"{param}: token id {bad[0]} is outside the vocabulary "
-                              f"(size {self.vocab_size})", param)
-        if len(ids) > self.max_model_len:
-            raise PromptError(f"This model's maximum context length is {self.max_model_len} "
-                              f"tokens, but the {param} has {len(ids)} tokens", param,
-                              "context_length_exceeded")
+                              f"(size {vocab})", param)
+        if len(ids) > self.info.max_model_len:
+            raise PromptError(f"This model's maximum context length is "
+                              f"{self.info.max_model_len} tokens, but the {param} has {len(ids)} "
+                              "tokens", param, "context_length_exceeded")
         return text, ids
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The model's own chat template (compiled on first use)."""
+        if self._chat_template is None:
+            self._chat_template = ChatTemplate.for_model(self.info)
+        return self._chat_template
+
+    def _render_chat(self, messages: list[dict[str, Any]], template: ChatTemplate | None,
+                     add_generation_prompt: bool, tools: list[dict[str, Any]] | None) -> str:
+        try:
+            return (template or self.chat_template).render(messages, add_generation_prompt,
+                                                           tools)
+        except NoChatTemplateError as exc:
+            raise PromptError(str(exc), "messages", "no_chat_template") from None
+        except ChatTemplateError as exc:
+            raise PromptError(str(exc), "messages") from None
 
     def _check_params(self, params: SamplingParams | None) -> SamplingParams:
         if params is None:
@@ -311,15 +392,16 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)  # re-validates (fields may have been changed); a copy
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer")
+        if params.stop and self.info.tokenizer is None:
+            raise PromptError("stop: stop strings need a tokenizer", "stop")
         # The sampler indexes the logits with these ids.
+        vocab = self.info.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or ()),
                           ("stop_token_ids", params.stop_token_ids if params.min_tokens else ())):
-            outside = [t for t in ids if self.vocab_size is not None and t >= self.vocab_size]
+            outside = [t for t in ids if t >= vocab]
             if outside:
-                raise ValueError(f"{name}: token id {outside[0]} is outside the vocabulary "
-                                 f"(size {self.vocab_size})")
+                raise PromptError(f"{name}: token id {outside[0]} is outside the vocabulary "
+                                  f"(size {vocab})", name)
         return params
 
     def _process(self, result: RunnerOutput) -> list[RequestOutput]:
@@ -449,3 +531,8 @@ class Engine:
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,
                              all(o.finished() for o in outputs), dataclasses.replace(group.metrics),
                              group.sequences[0].request.num_cached_tokens or 0)
+
+
+def _is_chat(prompt: object) -> bool:
+    """Whether ``prompt`` is chat messages (a list of dicts) rather than text or token ids."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)

@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from .build import build_engine
+from .chat import ChatTemplate
 from .config import EngineConfig
 from .lora.request import LoRARequest
 from .model.builtin import DEFAULT_MODEL
@@ -47,7 +48,7 @@ class LLM:
         self.shutdown()
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self.engine.info.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -56,8 +57,29 @@ class LLM:
                  ) -> list[RequestOutput]:
         """Generate for each prompt (text, or a list of token ids); outputs in input order.
         ``lora_request``: one LoRA adapter for every prompt, or one (or None: the base) per
-        prompt."""
-        prompts = _prompt_list(prompts)
+        prompt. ``max_tokens`` None generates up to the context; a prompt plus ``max_tokens``
+        longer than the context is a ValueError naming both (``Engine.prepare``)."""
+        return self._generate(_prompt_list(prompts), sampling_params, use_tqdm, lora_request)
+
+    def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+        """Generate a reply to each conversation (a list of ``{"role", "content"}`` messages, or
+        a list of such lists), rendered with ``chat_template`` (a Jinja template's text) or else
+        the model's own; ValueError when the model has none and none is given."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if self.engine.info.tokenizer is None:
+            raise ValueError("chat needs a model with a tokenizer")
+        template = None if chat_template is None else \
+            ChatTemplate.for_model(self.engine.info, chat_template)
+        return self._generate([list(c) for c in conversations], sampling_params, use_tqdm,
+                              chat_template=template)
+
+    def _generate(self, prompts: list[Prompt | list[dict[str, Any]]],
+                  sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                  use_tqdm: bool,
+                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                  chat_template: ChatTemplate | None = None) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -71,33 +93,19 @@ class LLM:
             loras = list(lora_request)
             if len(loras) != len(prompts):
                 raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts")
+        # Every prompt checked before any runs: all or nothing.
+        prepared = [self.engine.prepare(prompt, p, chat_template=chat_template)
+                    for prompt, p in zip(prompts, params)]
         ids: list[str] = []
         try:
-            for prompt, p, lora in zip(prompts, params, loras):
+            for prompt, lora in zip(prepared, loras):
                 ids.append(str(next(self._next_id)))
-                self.engine.add_request(ids[-1], prompt, p, stream=False, lora_request=lora)
+                self.engine.add_request(ids[-1], prompt, stream=False, lora_request=lora)
         except Exception:
-            for request_id in ids:  # all or nothing
+            for request_id in ids:
                 self.engine.abort(request_id)
             raise
         return self._run(ids, use_tqdm)
-
-    def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
-        """Generate a reply to each conversation (a list of ``{"role", "content"}`` messages, or
-        a list of such lists), rendered with ``chat_template`` (a Jinja template's text) or else
-        the model's own; ValueError when the model has none and none is given."""
-        from .server.chat import ChatTemplate
-
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        if self.engine.tokenizer is None:
-            raise ValueError("chat needs a model with a tokenizer")
-        template = ChatTemplate.for_engine(self.engine, chat_template)
-        prompts = [self.engine.tokenizer.encode(template.render(list(c)),
-                                                add_special_tokens=False)
-                   for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

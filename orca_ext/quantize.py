@@ -21,9 +21,24 @@ BLOCK_LAYOUTS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (
                  "q5_1": (32, 24), "q4_K": (256, 144), "q5_K": (256, 176), "q6_K": (256, 210)}
 # The formats quantize_weight makes.
 QUANTIZE_FORMATS = ("q8_0", "q4_0", "q4_1")
+# ``quantization``'s values besides None (``model/quantized.py`` says what each does).
+QUANTIZATIONS = ("none", *QUANTIZE_FORMATS)
 # The formats whose blocks are q8_0 blocks in fewer bits (w = (q - offset) d, the same d), by
 # their quants' offset: as_exact_q8_0 rewrites them exactly.
 EXACT_IN_Q8_0 = {"q8_0": 0, "q4_0": 8, "q5_0": 16}
+
+
+def check_quantization(quantization: str | None,
+                       device: torch.device | str = "cpu") -> str | None:
+    """``quantization`` checked (a ValueError naming it): None, or one of QUANTIZATIONS, a
+    format only on the CPU (the quantized kernels are CPU kernels)."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, got "
+                         f"{quantization!r}")
+    if quantization not in (None, "none") and torch.device(device).type != "cpu":
+        raise ValueError(f"quantization: {quantization!r} runs on the CPU only (the "
+                         f"quantized kernels are CPU kernels), not on {device}")
+    return quantization
 
 
 def block_weights(format: str) -> int:

@@ -59,7 +59,7 @@ class SamplingParams:
     """
 
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the model's context
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -82,8 +82,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
-               "an integer >= 1")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+               "max_tokens", self.max_tokens, "None or an integer >= 1")
         _check(_is_real(self.temperature) and self.temperature >= 0, "temperature",
                self.temperature, "a number >= 0")
         _check(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
@@ -106,7 +106,8 @@ class SamplingParams:
                self.stop_token_ids, "a list of token ids >= 0")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                "logprobs", self.logprobs, "None or an integer in [0, 20]")
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens
+               and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
                "min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
         _check(self.logit_bias is None
                or (isinstance(self.logit_bias, dict)

@@ -40,6 +40,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False  # orca and paged only
     prefix_cache_salt: int = 0  # the block hashes' extra_key: whatever else changes the KV
     max_loras: int = 0  # LoRA adapters a batch may use (0: LoRA off); orca and paged only
+    # A debugging guard: every batch's KV writes checked against its requests' blocks (no
+    # write into a cached, possibly shared block; SlotAllocator.check_rows) before it runs.
+    check_kv_writes: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -133,7 +136,8 @@ class Scheduler:
         return len(self._batches)
 
     def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
-        """Reject a request that could never be admitted, even into an empty KV cache."""
+        """Reject a request that could never be admitted, even into an empty KV cache
+        (``Engine.prepare`` asks, before ``add_request``)."""
         need = num_prompt_tokens + max_new_tokens
         if need > self.kv_capacity:
             raise ValueError(
@@ -143,7 +147,6 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id} is already scheduled")
-        self.check_fits(len(request.prompt_token_ids), request.max_new_tokens)
         if request.lora_int_id and self.lora_slots is None:
             raise ValueError("a request with a LoRA adapter needs enable_lora")
         if self.config.enable_prefix_caching:
@@ -200,6 +203,10 @@ class Scheduler:
                 request.request_id, request.all_token_ids[start:start + num_new] + spec, start,
                 new_block_ids, sample=start + num_new == request.num_tokens,
                 num_padding=self._padding(request), num_spec_tokens=len(spec)))
+        if self.config.check_kv_writes:
+            self.allocator.check_rows([r.request_id for r in scheduled],
+                                      [r.num_computed for r in scheduled],
+                                      [len(r.token_ids) + r.num_padding for r in scheduled])
         output = SchedulerOutput(self._next_batch_id, scheduled, new_requests, self._ended)
         self._batches[output.batch_id] = picked
         if proposals:

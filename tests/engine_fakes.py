@@ -10,7 +10,25 @@ import pytest
 
 from orca_ext.batch import (NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput,
                           TokenLogprobs)
+from orca_ext.model.builtin import BUILTIN_MODELS
+from orca_ext.model.config import ModelConfig
+from orca_ext.model.loader import ModelInfo
 from orca_ext.runner.inputs import InputBatch
+
+
+def fake_info(max_model_len: int, vocab_size: int = 256, tokenizer=None, eos_token_ids=(),
+              chat_template: str | None = None, bos_token_id: int | None = None,
+              eos_token_id: int | None = None) -> ModelInfo:
+    """The ``ModelInfo`` an Engine over a fake runner reads: orca-tiny's config with these
+    limits, tokenizer, stop ids and chat template."""
+    hf = {key: value for key, value in BUILTIN_MODELS["orca-tiny"].items()
+          if key not in ("bos_token_id", "eos_token_id")}
+    hf["vocab_size"] = vocab_size
+    for key, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
+        if value is not None:
+            hf[key] = value
+    return ModelInfo(ModelConfig.from_hf(hf), tokenizer, list(eos_token_ids), max_model_len,
+                     chat_template)
 
 
 class KVCacheFullError(RuntimeError):
@@ -100,13 +118,11 @@ def next_token(context: list[int], vocab: int, seed: int = 0) -> int:
     return (sum(context) + 7 * len(context) + seed) % vocab
 
 
-def reference(prompt: list[int], max_tokens: int, vocab: int, stop_ids=(), seed: int = 0,
-              max_model_len: int | None = None) -> list[int]:
+def reference(prompt: list[int], max_tokens: int, vocab: int, stop_ids=(), seed: int = 0
+              ) -> list[int]:
     """What greedy generation must produce whatever the batching."""
     context, out = list(prompt), []
-    limit = max_tokens if max_model_len is None else min(max_tokens,
-                                                         max(1, max_model_len - len(prompt)))
-    while len(out) < limit:
+    while len(out) < max_tokens:
         token = next_token(context, vocab, seed)
         out.append(token)
         context.append(token)

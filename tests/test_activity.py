@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from engine_fakes import CharTokenizer, KVFakeRunner, _real_allocator
+from engine_fakes import CharTokenizer, KVFakeRunner, _real_allocator, fake_info
 
 from orca_ext import activity
 from orca_ext.async_engine import AsyncEngine
@@ -22,7 +22,7 @@ def make_engine(policy: str = "orca", num_blocks: int = 64, block_size: int = 4,
     allocator = _real_allocator()(num_blocks, block_size)
     runner = KVFakeRunner(allocator, VOCAB)
     scheduler = make_scheduler(SchedulerConfig(policy, **config), allocator)
-    return Engine(runner, scheduler, max_model_len=256, vocab_size=VOCAB), runner
+    return Engine(runner, scheduler, fake_info(256, VOCAB)), runner
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -149,8 +149,7 @@ def test_feed_shares_one_sampler_and_stops_with_the_last_client():
     tokenizer = CharTokenizer()
     engine = AsyncEngine(Engine(KVFakeRunner(allocator, tokenizer.vocab),
                                 make_scheduler(SchedulerConfig(), allocator),
-                                max_model_len=128, tokenizer=tokenizer,
-                                vocab_size=tokenizer.vocab))
+                                fake_info(128, tokenizer.vocab, tokenizer)))
     core = ServingCore(engine, "fake")
     feed = DashboardFeed(core, interval=0.02)
 
@@ -199,7 +198,7 @@ def test_feed_drops_a_client_that_stops_reading():
     allocator = _real_allocator()(16, 4)
     engine = AsyncEngine(Engine(KVFakeRunner(allocator, VOCAB),
                                 make_scheduler(SchedulerConfig(), allocator),
-                                max_model_len=64, vocab_size=VOCAB))
+                                fake_info(64, VOCAB)))
     feed = dashboard.DashboardFeed(ServingCore(engine, "fake"), interval=0.001)
 
     async def scenario() -> None:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from engine_fakes import CharTokenizer, FakeSlotAllocator, GatedRunner, reference
+from engine_fakes import CharTokenizer, FakeSlotAllocator, GatedRunner, fake_info, reference
 
 from orca_ext.async_engine import AsyncEngine, EngineDeadError
 from orca_ext.engine import Engine
@@ -30,7 +30,7 @@ def make():
         allocator = FakeSlotAllocator(64, 4)
         runner = runner_cls(allocator, VOCAB)
         engine = Engine(runner, make_scheduler(SchedulerConfig(**config), allocator),
-                        max_model_len=512, tokenizer=TOK, eos_token_ids=(), vocab_size=VOCAB)
+                        fake_info(512, VOCAB, TOK))
         engines.append(AsyncEngine(engine, stuck_timeout=stuck_timeout))
         return engines[-1], runner
 

@@ -10,16 +10,16 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from engine_fakes import CharTokenizer, FakeSlotAllocator, KVFakeRunner  # noqa: E402
+from engine_fakes import CharTokenizer, FakeSlotAllocator, KVFakeRunner, fake_info  # noqa: E402
 
 from orca_ext import LLM, SamplingParams  # noqa: E402
-from orca_ext.distributed import ParallelConfig  # noqa: E402
-from orca_ext.engine import Engine  # noqa: E402
-from orca_ext.scheduler import SchedulerConfig, make_scheduler  # noqa: E402
-from orca_ext.server.__main__ import build_core, build_parser  # noqa: E402
-from orca_ext.server.chat import (  # noqa: E402
+from orca_ext.chat import (  # noqa: E402
     ChatTemplate, NoChatTemplateError, load_chat_template,
 )
+from orca_ext.distributed import ParallelConfig  # noqa: E402
+from orca_ext.engine import Engine, PromptError  # noqa: E402
+from orca_ext.scheduler import SchedulerConfig, make_scheduler  # noqa: E402
+from orca_ext.server.__main__ import build_core, build_parser  # noqa: E402
 from orca_ext.server.http import create_app  # noqa: E402
 
 USER = [{"role": "user", "content": "hi"}]
@@ -36,9 +36,9 @@ def llm():
 
 
 def test_llm_chat_without_a_template_is_a_value_error(llm):
-    with pytest.raises(NoChatTemplateError, match=r"no chat template.*chat_template="):
+    with pytest.raises(PromptError, match=r"no chat template.*chat_template=") as error:
         llm.chat(USER, SamplingParams(max_tokens=1), use_tqdm=False)
-    assert isinstance(NoChatTemplateError(), ValueError)
+    assert isinstance(error.value, ValueError) and error.value.code == "no_chat_template"
 
 
 def test_llm_chat_renders_the_given_template(llm):
@@ -52,13 +52,13 @@ def test_a_given_template_replaces_the_models_own():
     tokenizer = CharTokenizer()
     engine = Engine(KVFakeRunner(allocator, tokenizer.vocab),
                     make_scheduler(SchedulerConfig(max_batch_size=2), allocator),
-                    max_model_len=64, tokenizer=tokenizer, vocab_size=tokenizer.vocab,
-                    chat_template="own: {{ messages[0]['content'] }}")
-    assert ChatTemplate.for_engine(engine).render(USER) == "own: hi"
-    assert ChatTemplate.for_engine(engine, "given: {{ messages | length }}").render(USER) \
+                    fake_info(64, tokenizer.vocab, tokenizer,
+                              chat_template="own: {{ messages[0]['content'] }}"))
+    assert ChatTemplate.for_model(engine.info).render(USER) == "own: hi"
+    assert ChatTemplate.for_model(engine.info, "given: {{ messages | length }}").render(USER) \
         == "given: 1"
     with pytest.raises(ValueError, match="does not compile"):
-        ChatTemplate.for_engine(engine, "{% for %}")
+        ChatTemplate.for_model(engine.info, "{% for %}")
 
 
 def test_load_chat_template(tmp_path):

@@ -300,7 +300,7 @@ def test_two_node_example_over_loopback(tiny_expected):
     pytest.importorskip("fastapi")
     from server_helpers import ServerProcess, _die_with_parent
 
-    from orca_ext.server.protocol import TokenText
+    from orca_ext.detokenizer import TokenText
 
     port = str(_free_port())
     # float32 as the single-process reference (the default, auto, is bfloat16 on some CPUs).

@@ -6,10 +6,12 @@ import random
 import pytest
 
 from engine_fakes import (ALLOCATORS, ByteTokenizer, CharTokenizer,
-                          FakeSlotAllocator, KVFakeRunner, PipelinedFakeExecutor, reference)
+                          FakeSlotAllocator, KVFakeRunner, PipelinedFakeExecutor, fake_info,
+                          reference)
 
+from orca_ext.chat import ChatTemplate
 from orca_ext.detokenizer import Detokenizer
-from orca_ext.engine import Engine
+from orca_ext.engine import Engine, PromptError
 from orca_ext.sampling_params import SamplingParams
 from orca_ext.scheduler import SchedulerConfig, make_scheduler
 
@@ -30,8 +32,8 @@ def make_engine(policy="orca", allocator_cls=FakeSlotAllocator, num_blocks=128, 
     runner = KVFakeRunner(allocator, VOCAB)
     executor = runner if in_flight == 1 else PipelinedFakeExecutor(runner)
     config = SchedulerConfig(policy, max_batch_size, in_flight, budget)
-    return Engine(executor, make_scheduler(config, allocator), max_model_len=max_model_len,
-                  tokenizer=tokenizer, eos_token_ids=eos, vocab_size=VOCAB)
+    return Engine(executor, make_scheduler(config, allocator),
+                  fake_info(max_model_len, VOCAB, tokenizer, eos))
 
 
 def run(engine: Engine) -> dict:
@@ -214,15 +216,57 @@ def test_stop_token_ids_and_ignore_eos():
 
 
 def test_context_length_limit():
+    """vLLM's rule: ``max_tokens=None`` runs up to the context, and a prompt plus an explicit
+    ``max_tokens`` over it is refused naming both numbers (no silent capping)."""
     engine = make_engine(max_model_len=20)
-    engine.add_request("a", prompt_ids(6, 15), SamplingParams(max_tokens=100, ignore_eos=True))
-    engine.add_request("b", prompt_ids(7, 20), SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.add_request("a", prompt_ids(6, 15), SamplingParams(max_tokens=None, ignore_eos=True))
+    engine.add_request("b", prompt_ids(7, 19), SamplingParams(max_tokens=None, ignore_eos=True))
+    engine.add_request("c", prompt_ids(8, 15), SamplingParams(max_tokens=5, ignore_eos=True))
     finished = run(engine)
-    assert len(finished["a"].outputs[0].token_ids) == 5
-    assert len(finished["b"].outputs[0].token_ids) == 1
+    assert [len(finished[r].outputs[0].token_ids) for r in "abc"] == [5, 1, 5]
     assert {o.outputs[0].finish_reason for o in finished.values()} == {"length"}
-    with pytest.raises(ValueError, match="prompt"):
-        engine.add_request("c", prompt_ids(8, 21))
+    with pytest.raises(PromptError, match=r"maximum context length is 20 tokens\. However, you "
+                       r"requested 21 tokens \(15 in the prompt, 6 for the completion\)") as error:
+        engine.add_request("d", prompt_ids(8, 15), SamplingParams(max_tokens=6))
+    assert (error.value.param, error.value.code) == ("max_tokens", "context_length_exceeded")
+    with pytest.raises(PromptError, match=r"the prompt \(20 tokens\) fills the model's context "
+                       r"\(20 tokens\): no room to generate"):
+        engine.add_request("e", prompt_ids(8, 20), SamplingParams(max_tokens=None))
+    with pytest.raises(PromptError, match="the prompt has 21 tokens"):
+        engine.add_request("f", prompt_ids(8, 21))
+    assert not engine.has_unfinished()
+
+
+def test_prepare_is_the_one_entrance():
+    """``prepare`` turns text, token ids or chat messages with their params into token ids and
+    a max-new-tokens, checked against the context and the whole KV cache; ``add_request``
+    takes what it gives as it is."""
+    engine = make_engine(num_blocks=16, block_size=4, max_model_len=48)  # 64 KV slots
+    text = engine.prepare("hi", SamplingParams(max_tokens=None))
+    assert (text.text, text.token_ids, text.max_new_tokens) == ("hi", TOK.encode("hi"), 46)
+    ids = engine.prepare([1, 2, 3], SamplingParams(max_tokens=4))
+    assert (ids.text, ids.token_ids, ids.max_new_tokens) == (None, [1, 2, 3], 4)
+    template = ChatTemplate("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    chat = engine.prepare([{"role": "user", "content": "yo"}], SamplingParams(max_tokens=2),
+                          chat_template=template)
+    assert chat.token_ids == TOK.encode("<yo>") and chat.max_new_tokens == 2
+    with pytest.raises(PromptError, match="no chat template") as error:
+        engine.prepare([{"role": "user", "content": "yo"}])  # the model has none
+    assert (error.value.param, error.value.code) == ("messages", "no_chat_template")
+    with pytest.raises(PromptError, match=r"the messages, 40 for the completion\)\. Reduce "
+                       "the messages or max_completion_tokens") as error:
+        engine.prepare([{"role": "user", "content": "y" * 10}], SamplingParams(max_tokens=40),
+                       chat_template=template, max_tokens_param="max_completion_tokens")
+    assert error.value.param == "max_completion_tokens"
+    small = make_engine(num_blocks=4, block_size=4, max_model_len=48)  # 16 KV slots
+    with pytest.raises(PromptError, match=r"exceeds the whole KV cache \(16 tokens\)") as error:
+        small.prepare([1] * 10, SamplingParams(max_tokens=None))
+    assert error.value.param == "max_tokens"
+    engine.add_request("ids", ids)
+    with pytest.raises(ValueError, match="params: a prepared prompt carries its own"):
+        engine.add_request("again", ids, SamplingParams())
+    out = run(engine)["ids"].outputs[0]
+    assert out.token_ids == reference([1, 2, 3], 4, VOCAB, stop_ids=(EOS,))
 
 
 def test_bad_input_raises_and_engine_keeps_running():
@@ -313,7 +357,7 @@ def test_pipelining_needs_submit_collect():
     allocator = FakeSlotAllocator(8, 4)
     with pytest.raises(ValueError, match="submit"):
         Engine(KVFakeRunner(allocator), make_scheduler(SchedulerConfig(num_batches_in_flight=2),
-                                                       allocator), max_model_len=32)
+                                                       allocator), fake_info(32))
 
 
 def test_logprobs_metrics_and_final_only():

@@ -50,7 +50,7 @@ def test_config_from_the_file_metadata(loaded):
                 18, 640, 4, 1, 256, 2048, 262144)
     assert config.sliding_window == 512 and config.layer_types.count("full_attention") == 3
     assert config.attention_scale == 256 ** -0.5 and config.activation == "gelu_tanh_and_mul"
-    assert loaded.chat_template is None  # the base model
+    assert loaded.info.chat_template is None  # the base model
 
 
 def test_every_tensor_equals_transformers_gguf_load(hf_model):

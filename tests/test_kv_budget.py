@@ -12,7 +12,7 @@ from orca_ext.kv import cache as kv_cache
 from orca_ext.kv.cache import (DEFAULT_KV_CAP_BYTES, kv_bytes_per_block,
                                         plan_kv_blocks)
 from orca_ext.model import ModelConfig, load_model
-from orca_ext.model import loader
+from orca_ext.model import dtypes
 from orca_ext.model.builtin import BUILTIN_MODELS
 
 GIB = 2**30
@@ -86,6 +86,6 @@ def test_the_real_machine_reports_its_memory():
 @pytest.mark.parametrize("native_bf16, expected", [(True, torch.bfloat16),
                                                    (False, torch.float32)])
 def test_auto_dtype_follows_the_cpu(monkeypatch, native_bf16, expected):
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: native_bf16)
-    assert loader.resolve_dtype("auto", "cpu") == expected
+    monkeypatch.setattr(dtypes, "cpu_has_native_bf16", lambda: native_bf16)
+    assert dtypes.resolve_dtype("auto", "cpu") == expected
     assert load_model("orca-tiny", "auto").dtype == expected

@@ -190,9 +190,10 @@ def test_bad_kv_cache_dtypes_name_the_value(name, dtype, device, message):
 
 
 def test_engine_config_checks_kv_cache_dtype():
-    config = EngineConfig("orca-tiny", device="cpu")
+    config = EngineConfig("orca-tiny", device="cpu").resolved()
     assert config.kv_dtype() == config.dtype
-    assert EngineConfig("orca-tiny", device="cpu", kv_cache_dtype="int8").kv_dtype() == torch.int8
+    assert EngineConfig("orca-tiny", device="cpu",
+                        kv_cache_dtype="int8").resolved().kv_dtype() == torch.int8
     with pytest.raises(ValueError, match="kv_cache_dtype: 'fp8' is not one of"):
         EngineConfig("orca-tiny", device="cpu", kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="kv_cache_dtype: 'fp8_e4m3' runs on cuda only"):

@@ -128,9 +128,9 @@ def test_eos_and_chat_template(llama_folder, tmp_path):
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x }}"}))
     loaded = load_model(str(folder))
-    assert loaded.eos_token_ids == [7, 2]
-    assert loaded.chat_template == "{{ x }}"
-    assert loaded.max_model_len == 256
+    assert loaded.info.eos_token_ids == [7, 2]
+    assert loaded.info.chat_template == "{{ x }}"
+    assert loaded.info.max_model_len == 256
 
 
 def test_config_variants():
@@ -157,7 +157,7 @@ def test_orca_tiny_is_builtin_and_deterministic():
     loaded = load_model("orca-tiny")
     params = sum(p.numel() for p in loaded.model.parameters())
     assert 10e6 < params < 100e6
-    assert loaded.max_model_len == 1024 and loaded.eos_token_ids == [256]
+    assert loaded.info.max_model_len == 1024 and loaded.info.eos_token_ids == [256]
     text = "héllo, wörld ✓"
     ids = loaded.tokenizer.encode(text)
     assert ids == list(text.encode())

@@ -63,7 +63,6 @@ def test_reuse_of_the_longest_cached_prefix_and_two_holders():
     assert alloc.blocks(2)[2:] == [3, 4] and alloc.shared_prefix_blocks(2) == 2
     assert [alloc.ref_count(x) for x in range(5)] == [2, 2, 1, 1, 1]
     assert alloc.num_used_blocks == 5 and alloc.num_free_blocks == 3
-    assert (alloc.prefix_queries, alloc.prefix_hits) == (12 + 12, 0 + 8)
     alloc.free(1)  # the shared blocks stay with request 2; block 2 becomes evictable
     assert [alloc.ref_count(x) for x in range(5)] == [1, 1, 0, 1, 1]
     assert alloc.num_evictable_blocks == 1 and alloc.num_cached_blocks == 3

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
-from engine_fakes import KVFakeRunner, _real_allocator, reference
+from engine_fakes import KVFakeRunner, _real_allocator, fake_info, reference
 
 from orca_ext.config import EngineConfig
 from orca_ext.engine import Engine
@@ -38,7 +38,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.allocator = _real_allocator()(-(-24 // block_size) + num_blocks, block_size)
         self.scheduler = make_scheduler(
             SchedulerConfig(policy, max_batch_size, enable_prefix_caching=True,
-                            prefix_cache_salt=7),
+                            prefix_cache_salt=7, check_kv_writes=True),
             self.allocator)
         self.runner = KVFakeRunner(self.allocator, VOCAB)
         self.capacity = self.allocator.num_blocks * block_size
@@ -139,9 +139,9 @@ def _engine(policy: str = "orca", num_blocks: int = 32, block_size: int = 4,
             caching: bool = True, max_batch_size: int = 8) -> Engine:
     allocator = _real_allocator()(num_blocks, block_size)
     scheduler = make_scheduler(SchedulerConfig(policy, max_batch_size,
-                                               enable_prefix_caching=caching), allocator)
-    return Engine(KVFakeRunner(allocator, VOCAB), scheduler, max_model_len=512,
-                  vocab_size=VOCAB)
+                                               enable_prefix_caching=caching,
+                                               check_kv_writes=True), allocator)
+    return Engine(KVFakeRunner(allocator, VOCAB), scheduler, fake_info(512, VOCAB))
 
 
 def _run(engine: Engine) -> dict[str, RequestOutput]:
@@ -152,6 +152,27 @@ def _run(engine: Engine) -> dict[str, RequestOutput]:
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.mark.parametrize("policy", ["orca", "paged"])
+def test_check_kv_writes_catches_a_write_into_a_cached_block(policy):
+    """A scheduler bug (here: an allocator that reports no cached prefix, so a request that
+    shares cached blocks recomputes them) is a ValueError before the batch runs."""
+    class ForgetsTheHit(_real_allocator()):
+        def allocate(self, *args):
+            super().allocate(*args)
+            return 0
+
+    allocator = ForgetsTheHit(32, 4)
+    config = SchedulerConfig(policy, 8, enable_prefix_caching=True, check_kv_writes=True)
+    engine = Engine(KVFakeRunner(allocator, VOCAB), make_scheduler(config, allocator),
+                    fake_info(512, VOCAB))
+    engine.add_request("a", SYSTEM[:16], GREEDY)
+    _run(engine)  # its prompt's 4 full blocks are cached now
+    engine.add_request("b", SYSTEM[:16] + [1, 2, 3], GREEDY)
+    with pytest.raises(ValueError, match=r"would write position 0 into block \d+, which holds "
+                                         r"cached \(read-only\) KV"):
+        engine.step()
 
 
 @pytest.mark.parametrize("policy", ["orca", "paged"])

@@ -408,10 +408,12 @@ def test_quantized_embedding_errors(change, message):
 
 
 def test_quantized_models_run_float32_under_auto(gguf_file):
-    assert EngineConfig(str(gguf_file)).dtype == torch.float32
-    assert EngineConfig("orca-tiny", quantization="q4_0").dtype == torch.float32
-    assert EngineConfig(str(gguf_file), quantization="none", dtype="float32").dtype == \
-        torch.float32
+    assert EngineConfig(str(gguf_file)).resolved().dtype == torch.float32
+    assert EngineConfig("orca-tiny", quantization="q4_0").resolved().dtype == torch.float32
+    assert EngineConfig(str(gguf_file), quantization="none",
+                        dtype="float32").resolved().dtype == torch.float32
+    with pytest.raises(ValueError, match="dtype: the quantized kernels take float32"):
+        EngineConfig(str(gguf_file), dtype="float16").resolved()
 
 
 @pytest.mark.parametrize("kwargs,message", [

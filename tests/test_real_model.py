@@ -78,10 +78,10 @@ def test_config_from_the_file_metadata(loaded):
     assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
             config.head_dim, config.vocab_size) == (30, 576, 9, 3, 64, 49152)
     assert config.tie_word_embeddings and config.rope_theta == 100000.0
-    assert loaded.max_model_len == 8192
+    assert loaded.info.max_model_len == 8192
     assert sum(p.numel() for p in loaded.model.parameters()) == 134_515_008
-    assert loaded.tokenizer.inner.id_to_token(loaded.eos_token_ids[0]) == "<|im_end|>"
-    assert "<|im_start|>" in loaded.chat_template
+    assert loaded.tokenizer.inner.id_to_token(loaded.info.eos_token_ids[0]) == "<|im_end|>"
+    assert "<|im_start|>" in loaded.info.chat_template
 
 
 def test_every_tensor_equals_transformers_gguf_load(hf_model):

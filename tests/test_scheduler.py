@@ -23,8 +23,10 @@ class Harness:
                  max_batch_size=8, num_batches_in_flight=1, max_num_batched_tokens=None,
                  prefix_caching=False):
         self.allocator = allocator_cls(num_blocks, block_size)
+        # The real allocator checks every batch's KV writes (the fake has no check_rows).
         self.config = SchedulerConfig(policy, max_batch_size, num_batches_in_flight,
-                                      max_num_batched_tokens, prefix_caching)
+                                      max_num_batched_tokens, prefix_caching,
+                                      check_kv_writes=hasattr(self.allocator, "check_rows"))
         self.scheduler = make_scheduler(self.config, self.allocator)
         self.runner = KVFakeRunner(self.allocator, VOCAB)
         self.requests: list[Request] = []  # in arrival order (= id order)
@@ -257,10 +259,17 @@ def test_pipelined_batches(allocator_cls, policy):
 
 
 def test_request_that_can_never_fit(allocator_cls):
+    """``check_fits`` (asked once, by ``Engine.prepare``, before ``add_request``) refuses what
+    even an empty pool cannot hold."""
     h = Harness(allocator_cls, "paged", num_blocks=4, block_size=4)
-    with pytest.raises(ValueError, match="max_tokens"):
-        h.add(10, 7)
+    with pytest.raises(ValueError, match=r"max_tokens: prompt \(10 tokens\) \+ max_tokens "
+                                         r"\(7\) = 17 tokens exceeds the whole KV cache "
+                                         r"\(16 tokens\)"):
+        h.scheduler.check_fits(10, 7)
+    h.scheduler.check_fits(10, 6)
     h.add(10, 6)  # exactly the pool
+    h.run()
+    h.check_outputs()
 
 
 def test_config_validation():
@@ -327,7 +336,7 @@ def test_prefix_hit_runs_only_the_rest():
     h.pending.append(out)
     h.run()
     h.check_outputs()
-    assert h.allocator.prefix_hits == 8
+    assert h.scheduler.stats().prefix_cache_hits == 8
 
 
 def test_prefix_of_a_cached_prompt_computes_its_last_token():
@@ -390,7 +399,7 @@ def test_arrivals_sharing_a_prompt_wait_for_its_blocks(policy, in_flight):
     h.run()
     h.check_outputs()
     assert [r.num_cached_tokens for r in others] == [20, 20, 20]
-    assert h.allocator.prefix_hits == 60
+    assert h.scheduler.stats().prefix_cache_hits == 60
     assert not h.scheduler._pending_hashes  # nothing is left counted once every batch returned
 
 

@@ -49,7 +49,7 @@ def complete(core, **body) -> httpx.Response:
 def test_max_model_len_caps_the_context_with_the_usual_error(cores):
     capped, default = cores("--max-model-len", "64"), cores()
     assert (capped.max_model_len, default.max_model_len) == (64, 1024)
-    assert capped.engine.engine.max_model_len == 64
+    assert capped.engine.engine.info.max_model_len == 64
     over_cap = complete(capped, prompt="x" * 65)
     over_model = complete(default, prompt="x" * 1025)
     for response, limit, length in ((over_cap, 64, 65), (over_model, 1024, 1025)):

@@ -13,7 +13,7 @@ schemathesis = pytest.importorskip("schemathesis")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from engine_fakes import CharTokenizer, FakeSlotAllocator, KVFakeRunner  # noqa: E402
+from engine_fakes import CharTokenizer, FakeSlotAllocator, KVFakeRunner, fake_info  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
@@ -45,8 +45,7 @@ def app():
     tokenizer = CharTokenizer()
     engine = AsyncEngine(Engine(KVFakeRunner(allocator, tokenizer.vocab),
                                 make_scheduler(SchedulerConfig(max_batch_size=16), allocator),
-                                max_model_len=MAX_MODEL_LEN, tokenizer=tokenizer,
-                                eos_token_ids=(), vocab_size=tokenizer.vocab))
+                                fake_info(MAX_MODEL_LEN, tokenizer.vocab, tokenizer)))
     yield create_app(engine, model_name=MODEL, max_body_bytes=BODY_LIMIT,
                      chat_template=CHAT_TEMPLATE)
     engine.shutdown()

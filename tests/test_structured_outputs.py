@@ -208,7 +208,7 @@ def test_min_tokens_and_logit_bias(llm):
     longer = chat(llm, ["Say hi."], [SamplingParams(temperature=0, max_tokens=40,
                                                     min_tokens=30)])[0].outputs[0]
     assert len(longer.token_ids) >= 30 and eos not in longer.token_ids[:29]
-    token = llm.engine.tokenizer.encode("banana", add_special_tokens=False)[0]
+    token = llm.engine.info.tokenizer.encode("banana", add_special_tokens=False)[0]
     biased = chat(llm, ["Say hi."], [SamplingParams(temperature=0, max_tokens=3, logit_bias={
         token: 100})])[0].outputs[0]
     assert biased.token_ids == [token] * 3

@@ -178,8 +178,6 @@ int64_t SlotAllocator::allocate(int64_t request_id, int64_t num_tokens,
   }
   take_blocks(blocks, fresh, request_id);
   blocks_.emplace(request_id, std::move(blocks));
-  prefix_queries_ += static_cast<int64_t>(prefix_hashes.size()) * block_size_;
-  prefix_hits_ += found * block_size_;
   return found * block_size_;
 }
 

@@ -81,9 +81,6 @@ class SlotAllocator {
   int64_t ref_count(int64_t block) const;
   int64_t num_cached_blocks() const { return static_cast<int64_t>(cached_.size()); }
   int64_t num_evictable_blocks() const { return num_evictable_; }
-  // Tokens of full prefix blocks offered to successful allocate() calls, and of those reused.
-  int64_t prefix_queries() const { return prefix_queries_; }
-  int64_t prefix_hits() const { return prefix_hits_; }
   // Throws std::logic_error naming the first broken invariant of the pool's bookkeeping.
   void check_invariants() const;
 
@@ -122,8 +119,6 @@ class SlotAllocator {
   std::vector<int32_t> next_;
   int64_t num_evictable_ = 0;
   std::unordered_map<uint64_t, int32_t> cached_;
-  int64_t prefix_queries_ = 0;
-  int64_t prefix_hits_ = 0;
 };
 
 }  // namespace orca::kv

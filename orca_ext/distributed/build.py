@@ -1,23 +1,27 @@
-"""``build_distributed_engine``: an Engine whose executor runs the model on worker processes."""
+"""``build_distributed_executor``: the executor that runs the model on worker processes, for
+``build_engine``."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from ..config import EngineConfig
-from ..engine import Engine
 from ..kv import SlotAllocator, plan_kv_blocks
-from ..model.loader import load_model_info
-from ..scheduler import make_scheduler
-from ..spec_decode import make_speculator
+from ..model.loader import ModelInfo, load_model_info
+from ..spec_decode import Speculator, make_speculator
 from .executor import DistributedExecutor
 from .messages import WorkerSpec
 
+if TYPE_CHECKING:
+    from ..config import EngineConfig
 
-def build_distributed_engine(config: EngineConfig) -> Engine:
-    """The engine ``config`` describes, on its ``parallel_config``'s workers (this process is
-    the driver: node 0). ``kv_cache_memory`` is per worker. ``Engine.shutdown`` stops them."""
-    from ..build import with_context
 
+def build_distributed_executor(config: EngineConfig
+                               ) -> tuple[ModelInfo, DistributedExecutor, SlotAllocator,
+                                          Speculator | None]:
+    """The model's description, the executor on ``config.parallel_config``'s workers (this
+    process is the driver: node 0), the KV allocator and the speculator of the engine
+    ``config`` describes. ``kv_cache_memory`` is per worker; ``Engine.shutdown`` stops the
+    workers."""
     parallel = config.parallel_config
     if parallel.node_rank != 0:
         raise ValueError("only node 0 runs the engine; other nodes run run_node()")
@@ -25,7 +29,7 @@ def build_distributed_engine(config: EngineConfig) -> Engine:
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device: distributed workers take 'cpu' or 'cuda' (each worker uses "
                          f"the GPU of its index on its node), got {config.device!r}")
-    info = with_context(load_model_info(config.model), config.max_model_len)
+    info = load_model_info(config.model).with_context(config.max_model_len)
     model_config = info.config
     parallel.check_model(model_config)
     stages = parallel.stage_layers(model_config.num_layers)
@@ -40,14 +44,9 @@ def build_distributed_engine(config: EngineConfig) -> Engine:
     num_blocks, _ = plan_kv_blocks(worker_config, config.block_size, config.dtype, device,
                                    config.max_batch_size, info.max_model_len,
                                    config.kv_cache_tokens, config.kv_cache_memory, local_caches)
-    allocator = SlotAllocator(num_blocks, config.block_size)
     spec = WorkerSpec(config.model, str(config.dtype).removeprefix("torch."), device, tp,
                       parallel.pipeline_parallel_size, [(s.start, s.stop) for s in stages],
                       num_blocks, config.block_size)
     executor = DistributedExecutor(parallel, spec, model_config)
     speculator = make_speculator(config.speculative_config)  # n-gram: no model of its own
-    return Engine(executor, make_scheduler(config.scheduler_config(), allocator, speculator),
-                  max_model_len=info.max_model_len, tokenizer=info.tokenizer,
-                  eos_token_ids=info.eos_token_ids, vocab_size=model_config.vocab_size,
-                  chat_template=info.chat_template, bos_token_id=model_config.bos_token_id,
-                  eos_token_id=next(iter(model_config.eos_token_ids), None))
+    return info, executor, SlotAllocator(num_blocks, config.block_size), speculator

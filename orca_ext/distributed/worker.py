@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from ..batch import RunnerOutput, SchedulerOutput
 from ..kv import KVCache
-from ..model.loader import load_model_info, resolve_dtype
+from ..model.dtypes import resolve_dtype
+from ..model.loader import load_model_info
 from ..runner import ModelRunner
 from .comm import Channel, Groups, build_groups
 from .config import Layout

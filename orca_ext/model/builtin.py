@@ -27,12 +27,14 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from .tokenizer import Tokenizer, byte_level_tokenizer
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
+
 
 EOS_TOKEN = "<|endoftext|>"
 _SEED = 0
@@ -139,6 +141,8 @@ def _assembled(name: str, entry: PackagedGGUF) -> Path:
 
 
 def builtin_tokenizer() -> Tokenizer:
+    from .tokenizer import byte_level_tokenizer
+
     return byte_level_tokenizer([EOS_TOKEN])
 
 

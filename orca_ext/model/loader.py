@@ -3,6 +3,7 @@ the network), and saving one back as a folder that ``transformers`` can load."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..quantize import check_quantization
 from . import gemma3, gpt2, llama, phi3
 from .arena import allocate_in_arena
 from .builtin import (BUILTIN_GGUF_MODELS, BUILTIN_MODELS, builtin_gguf_path, builtin_tokenizer,
@@ -21,23 +23,29 @@ from .builtin import (BUILTIN_GGUF_MODELS, BUILTIN_MODELS, builtin_gguf_path, bu
 from .config import ModelConfig
 from .decoder import Decoder
 from .gguf import GGUFCheckpoint, GGUFFile, gguf_tokenizer, hf_config
-from .quantized import QuantizedWeight, check_quantization, plan_quantization, quantize_modules
+from .dtypes import resolve_dtype
+from .quantized import QuantizedWeight, load_quantized_weights, plan_quantization, quantize_modules
 from .tokenizer import Tokenizer
 from .weights import Checkpoint, SafetensorsCheckpoint, load_hf_weights, save_hf_weights
 
 _FAMILIES = {"gpt2": gpt2, "llama": llama, "gemma3": gemma3, "phi3": phi3}
 _log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class LoadedModel:
+    """A model's description and its module with the weights."""
+
+    info: ModelInfo
     model: nn.Module  # forward(input_ids, positions, kv_caches, meta) + compute_logits
-    config: ModelConfig
-    tokenizer: Tokenizer
-    eos_token_ids: list[int]
-    max_model_len: int
-    chat_template: str | None = None
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.info.config
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.info.tokenizer
 
     @property
     def dtype(self) -> torch.dtype:
@@ -48,22 +56,9 @@ class LoadedModel:
     def device(self) -> torch.device:
         return self.model.lm_head.weight.device
 
-
-def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str = "cpu",
-                  quantized: bool = False) -> torch.dtype:
-    """A dtype or its name; ``"auto"`` is bfloat16 on a GPU and on a CPU with native bfloat16
-    matrix instructions (AMX or AVX512-BF16, which oneDNN runs torch's bfloat16 GEMMs on), float32
-    on other CPUs, and float32 for a ``quantized`` model (as llama.cpp runs one)."""
-    if dtype == "auto":
-        return torch.float32 if quantized else auto_dtype(device)
-    if isinstance(dtype, str) and dtype in DTYPES:
-        dtype = DTYPES[dtype]
-    if dtype not in DTYPES.values():
-        raise ValueError(f"unsupported dtype {dtype!r}; supported: auto, {', '.join(DTYPES)}")
-    if quantized and dtype == torch.float16:
-        raise ValueError("dtype: the quantized kernels take float32 or bfloat16 activations, not "
-                         "float16 (or pass quantization='none')")
-    return dtype
+    def with_context(self, max_model_len: int | None) -> LoadedModel:
+        """This model with its context capped at ``max_model_len`` (``ModelInfo.with_context``)."""
+        return dataclasses.replace(self, info=self.info.with_context(max_model_len))
 
 
 def runs_quantized(name_or_path: str, quantization: str | None,
@@ -71,38 +66,15 @@ def runs_quantized(name_or_path: str, quantization: str | None,
     """Whether ``load_model(name_or_path, quantization=...)`` gives quantized layers: a format
     always (on the CPU only), None for a GGUF file on the CPU; a ValueError naming a bad
     ``quantization``."""
-    check_quantization(quantization)
+    check_quantization(quantization, device)
     if quantization == "none":
         return False
-    on_cpu = torch.device(device).type == "cpu"
     if quantization is not None:
-        if not on_cpu:
-            raise ValueError(f"quantization: {quantization!r} runs on the CPU only (the "
-                             f"quantized kernels are CPU kernels), not on {device}")
         return True
-    if not on_cpu or name_or_path in BUILTIN_MODELS:
+    if torch.device(device).type != "cpu" or name_or_path in BUILTIN_MODELS:
         return False
     resolved = resolve_model_path(name_or_path)
     return resolved.suffix == ".gguf" or resolved.is_file()
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU has AMX-BF16 or AVX512-BF16 (read from /proc/cpuinfo on Linux)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def auto_dtype(device: torch.device | str = "cpu") -> torch.dtype:
-    if torch.device(device).type != "cpu":
-        return torch.bfloat16
-    dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    _log.info("dtype auto: %s (%s)", str(dtype).removeprefix("torch."),
-              "the CPU has native bfloat16 matrix instructions" if dtype == torch.bfloat16
-              else "the CPU has no AMX-BF16 or AVX512-BF16")
-    return dtype
 
 
 @contextlib.contextmanager
@@ -127,13 +99,14 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
     return model
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelInfo:
-    """What serving needs besides the weights (a distributed engine's driver holds no weights)."""
+    """The one description of a model besides its weights: what the engine, the servers and a
+    distributed engine's driver (which holds no weights) read."""
 
     config: ModelConfig
-    tokenizer: Tokenizer
-    eos_token_ids: list[int]
+    tokenizer: Tokenizer | None
+    eos_token_ids: list[int]  # every id that ends generation (end of turn included)
     max_model_len: int
     chat_template: str | None = None
     folder: Path | None = None  # a Hugging Face folder's safetensors checkpoint
@@ -143,6 +116,30 @@ class ModelInfo:
     def checkpoint(self) -> Path | None:
         """Where the weights come from; None for a built-in random model."""
         return self.gguf.path if self.gguf is not None else self.folder
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """The tokenizer's begin of sequence (a chat template's ``bos_token``)."""
+        return self.config.bos_token_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The tokenizer's own end of sequence (a chat template's ``eos_token``)."""
+        return next(iter(self.config.eos_token_ids), None)
+
+    def with_context(self, max_model_len: int | None) -> ModelInfo:
+        """This description with its context capped at ``max_model_len`` (None: as it is);
+        ValueError when that exceeds the model's."""
+        if max_model_len is None:
+            return self
+        if max_model_len > self.max_model_len:
+            raise ValueError(f"max_model_len {max_model_len} is longer than the model's context "
+                             f"({self.max_model_len} tokens)")
+        return dataclasses.replace(self, max_model_len=max_model_len)
 
 
 def resolve_model_path(name_or_path: str) -> str | Path:
@@ -246,9 +243,9 @@ def load_model(name_or_path: str, dtype: torch.dtype | str = "float32",
         else:
             init_random_weights(model)
     else:
-        load_hf_weights(model, weight_map, checkpoint, family.IGNORED_HF_WEIGHTS, plan)
-    return LoadedModel(model, config, info.tokenizer, info.eos_token_ids, info.max_model_len,
-                       info.chat_template)
+        load_hf_weights(model, weight_map, checkpoint, family.IGNORED_HF_WEIGHTS, skip=plan)
+        load_quantized_weights(model, weight_map, checkpoint, plan)
+    return LoadedModel(info, model)
 
 
 def model_family(config: ModelConfig) -> ModuleType:
@@ -289,7 +286,7 @@ def save_pretrained_folder(loaded: LoadedModel, path: str | Path) -> Path:
     hf_config = {**config.hf_config, "dtype": str(loaded.dtype).removeprefix("torch.")}
     _write_json(folder / "config.json", hf_config)
     save_hf_weights(loaded.model, family.hf_weight_map(config), folder / "model.safetensors")
-    eos = loaded.eos_token_ids
+    eos = loaded.info.eos_token_ids
     _write_json(folder / "generation_config.json",
                 {"bos_token_id": config.bos_token_id,
                  "eos_token_id": eos[0] if len(eos) == 1 else eos})
@@ -299,8 +296,8 @@ def save_pretrained_folder(loaded: LoadedModel, path: str | Path) -> Path:
                           ("eos_token", eos[0] if eos else None)):
         if token_id is not None:
             tokenizer_config[key] = loaded.tokenizer.inner.id_to_token(token_id)
-    if loaded.chat_template is not None:
-        tokenizer_config["chat_template"] = loaded.chat_template
+    if loaded.info.chat_template is not None:
+        tokenizer_config["chat_template"] = loaded.info.chat_template
     _write_json(folder / "tokenizer_config.json", tokenizer_config)
     return folder
 

@@ -19,26 +19,18 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..quantize import (BLOCK_LAYOUTS, EXACT_IN_Q8_0, QUANTIZE_FORMATS, as_exact_q8_0,
+from ..quantize import (BLOCK_LAYOUTS, EXACT_IN_Q8_0, as_exact_q8_0,
                         block_weights, quantize_weight, row_bytes)
 from .layers import Embedding, LayerNorm, Layer, Linear, RMSNorm
 from .weights import Checkpoint, HFWeight
 
 _log = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("none", *QUANTIZE_FORMATS)
 # GGUF tensor types the quantized kernels read as stored, by their format names.
 NATIVE_TYPES = {format.upper(): format for format in BLOCK_LAYOUTS}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # The format other quantized GGUF types (Q2_K, Q3_K) are converted to at load.
 CONVERTED_FORMAT = "q8_0"
-
-
-def check_quantization(quantization: str | None) -> str | None:
-    if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, got "
-                         f"{quantization!r}")
-    return quantization
 
 
 def _blocks(rows: int, in_features: int, format: str) -> nn.Parameter:
@@ -196,6 +188,17 @@ def quantize_modules(model: nn.Module, plan: dict[str, QuantizedWeight],
             new.weight = shared
             parent, _, attr = member.removesuffix(".weight").rpartition(".")
             setattr(model.get_submodule(parent), attr, new)
+
+
+def load_quantized_weights(model: nn.Module, weight_map: dict[str, HFWeight],
+                           checkpoint: Checkpoint, plan: dict[str, QuantizedWeight]) -> None:
+    """Fill the blocks of ``model``'s quantized layers (``plan``) from ``checkpoint``; the
+    float parameters are ``weights.load_hf_weights``'s."""
+    params = dict(model.named_parameters())
+    with checkpoint:
+        for name, how in plan.items():
+            module = model.get_submodule(name.removesuffix(".weight"))
+            load_quantized(params[name], checkpoint, weight_map[name], logical_shape(module), how)
 
 
 def load_quantized(out: torch.Tensor, checkpoint: Checkpoint, spec: HFWeight,

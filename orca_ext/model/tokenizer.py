@@ -3,16 +3,17 @@ byte-level tokenizer of the built-in model (token id == byte value), built in co
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
-from tokenizers import Tokenizer as _HFTokenizer
+if TYPE_CHECKING:  # the library is imported where used: the byte table loads without it
+    from tokenizers import Tokenizer as HFTokenizer
 
 
 class Tokenizer:
     """Text <-> token ids. ``inner`` is the ``tokenizers.Tokenizer`` (for incremental
     detokenization or anything else it offers)."""
 
-    def __init__(self, inner: _HFTokenizer) -> None:
+    def __init__(self, inner: HFTokenizer) -> None:
         self.inner = inner
 
     @classmethod
@@ -21,7 +22,9 @@ class Tokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer file {path} does not exist (only tokenizer.json "
                                     "files of the `tokenizers` library are supported)")
-        return cls(_HFTokenizer.from_file(str(path)))
+        from tokenizers import Tokenizer as HFTokenizer
+
+        return cls(HFTokenizer.from_file(str(path)))
 
     @property
     def vocab_size(self) -> int:
@@ -55,8 +58,11 @@ def bytes_to_unicode() -> dict[int, str]:
 
 def byte_level_tokenizer(special_tokens: list[str]) -> Tokenizer:
     """One token per UTF-8 byte (id == byte value), then ``special_tokens`` from id 256."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
     vocab = {char: byte for byte, char in bytes_to_unicode().items()}
-    inner = _HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    inner = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
     inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     inner.decoder = decoders.ByteLevel()
     inner.add_special_tokens([AddedToken(t, special=True) for t in special_tokens])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -138,23 +138,18 @@ class SafetensorsCheckpoint(Checkpoint):
 
 
 def load_hf_weights(model: nn.Module, weight_map: dict[str, HFWeight], checkpoint: Checkpoint,
-                    ignored: re.Pattern[str], quantized: dict[str, Any] | None = None) -> None:
-    """Fill ``model``'s parameters from ``checkpoint``; every parameter must be found with the
-    right shape, and every checkpoint tensor used (or knowingly ignored). The blocks of the
-    quantized layers (``quantized``: ``quantized.plan_quantization``'s plan) are copied as stored
-    or quantized from the float weights."""
-    from .quantized import load_quantized, logical_shape
-
+                    ignored: re.Pattern[str], skip: Collection[str] = ()) -> None:
+    """Fill ``model``'s float parameters from ``checkpoint``; every parameter must be found with
+    the right shape, and every checkpoint tensor used (or knowingly ignored). The parameters in
+    ``skip`` (a quantized layer's blocks: ``quantized.load_quantized_weights``) are left as
+    they are."""
     checkpoint.check_names(weight_map, model.config.architecture, ignored)
     params = dict(model.named_parameters())
     with checkpoint:
         for our_name, spec in weight_map.items():
-            param = params[our_name]
-            if quantized and our_name in quantized:
-                module = model.get_submodule(our_name.removesuffix(".weight"))
-                load_quantized(param, checkpoint, spec, logical_shape(module),
-                               quantized[our_name])
+            if our_name in skip:
                 continue
+            param = params[our_name]
             parts = [piece[:] for _, piece in checkpoint.parts(spec, tuple(param.shape))]
             if spec.transpose:
                 parts = [part.t() for part in parts]

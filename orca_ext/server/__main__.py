@@ -210,31 +210,32 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _summary(loaded: Any, engine: Any, chat_template: str) -> list[str]:
+def _summary(engine: Any, chat_template: str) -> list[str]:
+    """The banner's lines: the model (``engine.info``) and how the engine runs it."""
     from ..kv import kv_bytes_per_block
 
-    config = loaded.config
+    info, scheduler = engine.info, engine.scheduler.config
     describe = getattr(engine.executor, "describe", None)
     if describe is not None:  # a distributed engine: this process holds no weights
-        scheduler = engine.scheduler.config
         return [*describe(), f"policy {scheduler.policy}, max batch size "
                 f"{scheduler.max_batch_size}, {scheduler.num_batches_in_flight} batches in flight"]
-    params = sum(p.numel() for p in loaded.model.parameters())
+    config, model = info.config, engine.executor.model
+    params = sum(p.numel() for p in model.parameters())
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     allocator = engine.scheduler.allocator
     kv_dtype = engine.executor.kv_cache.dtype
     kv_bytes = kv_bytes_per_block(config, allocator.block_size, kv_dtype) * allocator.num_blocks
     return [
         f"model: {config.architecture}, {config.num_layers} layers, hidden {config.hidden_size}, "
         f"{config.num_heads} heads ({config.num_kv_heads} KV), vocab {config.vocab_size}, "
-        f"{params / 1e6:.1f}M parameters, {str(loaded.dtype).removeprefix('torch.')} on "
-        f"{loaded.device}, context {loaded.max_model_len} tokens"
+        f"{params / 1e6:.1f}M parameters, {str(dtype).removeprefix('torch.')} on "
+        f"{engine.executor.device}, context {info.max_model_len} tokens"
         f", chat template: {chat_template}",
         f"KV cache: {allocator.num_blocks} blocks x {allocator.block_size} tokens = "
         f"{allocator.num_blocks * allocator.block_size} tokens, "
         f"{str(kv_dtype).removeprefix('torch.')}, {kv_bytes / 2**20:.1f} MiB; "
-        f"policy {engine.scheduler.config.policy}, max batch size "
-        f"{engine.scheduler.config.max_batch_size}, prefix caching "
-        f"{'on' if engine.scheduler.config.enable_prefix_caching else 'off'}",
+        f"policy {scheduler.policy}, max batch size {scheduler.max_batch_size}, prefix caching "
+        f"{'on' if scheduler.enable_prefix_caching else 'off'}",
     ]
 
 
@@ -327,16 +328,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_core(args: argparse.Namespace, parallel: Any) -> tuple[Any, list[str]]:
-    """The model, engine and ``ServingCore`` that ``args`` describe (``parallel``: their
+    """The engine (``build_engine``) and ``ServingCore`` that ``args`` describe (``parallel``: their
     ``ParallelConfig``), and the banner lines saying what they are. Bad arguments raise
     ValueError (or the loader's FileNotFoundError / OSError, or WorkerError)."""
     import torch
 
     from ..async_engine import AsyncEngine
-    from ..build import build_engine, with_context
+    from ..build import build_engine
+    from ..chat import load_chat_template
     from ..config import EngineConfig
-    from ..model import load_model, load_model_info
-    from .chat import load_chat_template
     from .core import ServingCore
     from .protocol import APIError
 
@@ -358,13 +358,7 @@ def build_core(args: argparse.Namespace, parallel: Any) -> tuple[Any, list[str]]
                           kv_cache_dtype=args.kv_cache_dtype, enable_lora=args.enable_lora,
                           max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                           max_cpu_loras=args.max_cpu_loras)
-    if parallel.enabled:  # the workers load the weights; this process only the tokenizer
-        loaded = load_model_info(args.model)
-    else:
-        loaded = load_model(args.model, config.dtype, config.device, config.quantization)
-    loaded = with_context(loaded, config.max_model_len)
-    engine = build_engine(config if parallel.enabled
-                          else config.replace(model=loaded, quantization=None))
+    engine = build_engine(config)
     if args.seed is not None:  # after the build, so that the first request starts from it
         torch.manual_seed(args.seed)
     async_engine = AsyncEngine(engine, stuck_timeout=args.stuck_timeout)
@@ -383,8 +377,9 @@ def build_core(args: argparse.Namespace, parallel: Any) -> tuple[Any, list[str]]
         async_engine.shutdown()
         raise
     source = "--chat-template" if chat_template is not None else \
-        "the model's" if loaded.chat_template is not None else "none (chat requests get 400)"
-    return core, _summary(loaded, engine, source)
+        "the model's" if engine.info.chat_template is not None else \
+        "none (chat requests get 400)"
+    return core, _summary(engine, source)
 
 
 if __name__ == "__main__":

@@ -15,15 +15,15 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from ..async_engine import AsyncEngine, EngineDeadError
-from ..engine import PromptError
+from ..chat import ChatTemplate
+from ..engine import PreparedPrompt, Prompt, PromptError
 from ..lora.request import LoRARequest
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from .chat import ChatTemplate, ChatTemplateError, NoChatTemplateError
 from .metrics import ServerMetrics
 from .protocol import APIError
 
@@ -31,6 +31,7 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 _INLINE_TOKENIZE_CHARS = 16384
 
 request_log = logging.getLogger("orca_ext.server.requests")
+T = TypeVar("T")
 
 
 class ServingCore:
@@ -43,10 +44,10 @@ class ServingCore:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.engine = engine
         self.model_name = model_name
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
+        self.tokenizer = engine.engine.info.tokenizer
+        self.max_model_len = engine.engine.info.max_model_len  # GET /v1/models reports it
         # ``chat_template`` (a template's text) replaces the model's own.
-        self.chat_template = ChatTemplate.for_engine(engine.engine, chat_template)
+        self.chat_template = ChatTemplate.for_model(engine.engine.info, chat_template)
         self.api_key = api_key or None
         self.max_queue = max_queue
         self.max_body_bytes = max_body_bytes
@@ -121,53 +122,25 @@ class ServingCore:
 
     # --- prompts -----------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int], param: str = "prompt",
-                 add_special_tokens: bool = True) -> list[int]:
-        """The engine's prompt validator, its errors as 400s naming ``param``."""
+    async def prepare(self, prompt: Prompt, params: SamplingParams, **options: Any
+                      ) -> PreparedPrompt:
+        """``Engine.prepare`` (the one entrance of a request) with its errors as 400s; a long
+        text tokenized in a worker thread, so that the event loop keeps serving."""
+        return await self._in_engine(self.engine.engine.prepare, prompt, params, **options)
+
+    async def tokenize(self, prompt: Prompt, **options: Any) -> list[int]:
+        """``Engine.tokenize``'s token ids (POST /tokenize), with its errors as 400s."""
+        return (await self._in_engine(self.engine.engine.tokenize, prompt, **options))[1]
+
+    @staticmethod
+    async def _in_engine(call: Callable[..., T], prompt: Prompt, *args: Any, **options: Any
+                         ) -> T:
         try:
-            return self.engine.engine.tokenize(prompt, add_special_tokens=add_special_tokens,
-                                               param=param)[1]
+            if isinstance(prompt, str) and len(prompt) > _INLINE_TOKENIZE_CHARS:
+                return await asyncio.to_thread(call, prompt, *args, **options)
+            return call(prompt, *args, **options)
         except PromptError as exc:
             raise APIError.bad_request(str(exc), exc.param, exc.code) from None
-
-    async def tokenize_async(self, prompt: str | list[int], param: str = "prompt",
-                             add_special_tokens: bool = True) -> list[int]:
-        """``tokenize``; a long text in a worker thread, so the event loop keeps serving."""
-        if isinstance(prompt, str) and len(prompt) > _INLINE_TOKENIZE_CHARS:
-            return await asyncio.to_thread(self.tokenize, prompt, param, add_special_tokens)
-        return self.tokenize(prompt, param, add_special_tokens)
-
-    def max_new_tokens(self, prompt_ids: Sequence[Sequence[int]], requested: int | None,
-                       param: str = "max_tokens") -> int:
-        """``requested`` checked against the context of the longest prompt (as OpenAI does);
-        None means the rest of the context."""
-        longest = max(len(ids) for ids in prompt_ids)
-        room = self.max_model_len - longest
-        if requested is None:
-            if room < 1:
-                raise APIError.bad_request(
-                    f"the prompt ({longest} tokens) fills the model's context "
-                    f"({self.max_model_len} tokens): no room to generate", "prompt",
-                    "context_length_exceeded")
-            return room
-        if requested < 1:
-            raise APIError.bad_request(f"{param} must be >= 1, got {requested}", param)
-        if requested > room:
-            raise APIError.bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {longest + requested} tokens ({longest} in the prompt, "
-                f"{requested} for the completion). Reduce the prompt or {param}.", param,
-                "context_length_exceeded")
-        return requested
-
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    tools: list[dict[str, Any]] | None = None) -> str:
-        try:
-            return self.chat_template.render(messages, add_generation_prompt, tools)
-        except ChatTemplateError as exc:
-            raise APIError.bad_request(str(exc), "messages") from None
-        except NoChatTemplateError as exc:
-            raise APIError.bad_request(str(exc), code="no_chat_template") from None
 
     async def compile_structured(self, params: SamplingParams, param: str) -> None:
         """Compile the request's grammar in a worker thread (the engine caches it, so adding
@@ -186,15 +159,15 @@ class ServingCore:
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
 
-    async def start(self, prompts: list[list[int]], params: SamplingParams,
-                    request_id: str, lora_request: LoRARequest | None = None) -> Generation:
-        """Add every prompt (with ``lora_request``'s adapter, if any) and wait for each one's
-        first output; APIError on bad input, a full queue or a dead engine (nothing is left
-        running then)."""
+    async def start(self, prompts: list[PreparedPrompt], request_id: str,
+                    lora_request: LoRARequest | None = None) -> Generation:
+        """Add every prompt (``prepare``d; with ``lora_request``'s adapter, if any) and wait
+        for each one's first output; APIError on bad input, a full queue or a dead engine
+        (nothing is left running then)."""
         self.check_healthy()
         ids = [request_id] if len(prompts) == 1 else \
             [f"{request_id}-{i}" for i in range(len(prompts))]
-        streams = [self.engine.generate(p, params, rid, lora_request)
+        streams = [self.engine.generate(p, None, rid, lora_request)
                    for p, rid in zip(prompts, ids)]
         tasks = [asyncio.ensure_future(self._first(s)) for s in streams]
         try:

@@ -47,7 +47,7 @@ class DashboardFeed:
         scheduler = engine.scheduler
         config = scheduler.config
         return {
-            "model": self.core.model_name, "max_model_len": engine.max_model_len,
+            "model": self.core.model_name, "max_model_len": engine.info.max_model_len,
             "policy": config.policy, "max_batch_size": config.max_batch_size,
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "num_batches_in_flight": config.num_batches_in_flight,

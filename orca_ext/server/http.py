@@ -23,13 +23,14 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..async_engine import AsyncEngine
+from ..detokenizer import TokenText
 from .core import Generation, ServingCore
 from .metrics import CONTENT_TYPE
 from .protocol import (
     APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
     CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse, Health, ModelList,
-    TokenizeRequest, TokenizeResponse, TokenText, chat_logprobs, chat_response,
-    completion_logprobs, completion_response, finish_fields, now, parse_body, usage_of,
+    TokenizeRequest, TokenizeResponse, chat_logprobs, chat_response, completion_logprobs,
+    completion_response, finish_fields, now, parse_body, usage_of,
 )
 from .tools import ToolSetup, conversation, tool_setup
 from .web import add_web_routes
@@ -97,15 +98,13 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
         lora_request = core.check_model(body.model)
         model_name = core.model_name if lora_request is None else lora_request.lora_name
         texts = body.prompts()
-        prompt_ids = [await core.tokenize_async(p) for p in texts]
-        max_tokens = core.max_new_tokens(prompt_ids, body.max_tokens)
-        params = body.sampling_params(max_tokens, body.logprobs)
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        prompts = [await core.prepare(p, params) for p in texts]
         await core.compile_structured(params, body.structured_param)
         echoes = [(p if isinstance(p, str) else _decode(core, p)) if body.echo else ""
                   for p in texts]
         request_id = core.new_request_id("cmpl")
-        generation = await _race(request, core.start(prompt_ids, params, request_id,
-                                                     lora_request))
+        generation = await _race(request, core.start(prompts, request_id, lora_request))
         if body.stream:
             return _SSEResponse(_completion_chunks(generation, body, params.n, request_id,
                                                    model_name, echoes, token_text),
@@ -129,13 +128,7 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
         tools = tool_setup(body.tools, body.tool_choice, body.parallel_tool_calls)
         messages, template_tools = conversation([m.for_template() for m in body.messages],
                                                 tools, core.chat_template.uses_tools)
-        text = core.render_chat(messages, body.add_generation_prompt, template_tools)
-        prompt_ids = [await core.tokenize_async(text, "messages", add_special_tokens=False)]
-        max_tokens = core.max_new_tokens(prompt_ids, body.requested_max_tokens,
-                                         "max_completion_tokens"
-                                         if body.max_completion_tokens is not None
-                                         else "max_tokens")
-        params = body.sampling_params(max_tokens, body.num_logprobs)
+        params = body.sampling_params(body.requested_max_tokens, body.num_logprobs)
         structured_param = body.structured_param
         if tools is not None and tools.forced:
             if params.structured_outputs is not None:
@@ -143,10 +136,14 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
                                            f"with {structured_param}", "tool_choice")
             params = dataclasses.replace(params, structured_outputs=tools.structured_outputs())
             structured_param = "tools"
+        prompt = await core.prepare(
+            messages, params, chat_template=core.chat_template,
+            add_generation_prompt=body.add_generation_prompt, tools=template_tools,
+            max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None
+            else "max_tokens")
         await core.compile_structured(params, structured_param)
         request_id = core.new_request_id("chatcmpl")
-        generation = await _race(request, core.start(prompt_ids, params, request_id,
-                                                     lora_request))
+        generation = await _race(request, core.start([prompt], request_id, lora_request))
         if body.stream:
             return _SSEResponse(_chat_chunks(generation, body, params.n, request_id,
                                              model_name, token_text, tools), generation)
@@ -175,11 +172,12 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
         if body.messages is not None:
             messages, _ = conversation([m.for_template() for m in body.messages], None,
                                        core.chat_template.uses_tools)
-            text = core.render_chat(messages, body.add_generation_prompt)
-            ids = await core.tokenize_async(text, "messages", bool(body.add_special_tokens))
+            ids = await core.tokenize(messages, chat_template=core.chat_template,
+                                      add_generation_prompt=body.add_generation_prompt,
+                                      add_special_tokens=bool(body.add_special_tokens))
         else:
-            ids = await core.tokenize_async(body.prompt, "prompt",
-                                            body.add_special_tokens is not False)
+            ids = await core.tokenize(body.prompt,
+                                      add_special_tokens=body.add_special_tokens is not False)
         reply: dict[str, Any] = {"count": len(ids), "max_model_len": core.max_model_len,
                                  "tokens": ids}
         if body.return_token_strs:
@@ -190,7 +188,7 @@ def create_app(engine: AsyncEngine | ServingCore, **options: Any) -> FastAPI:
         core.check_model(body.model)
         if core.tokenizer is None:
             raise APIError.bad_request("this model has no tokenizer", "tokens")
-        vocab = core.engine.engine.vocab_size
+        vocab = core.engine.engine.info.vocab_size
         bad = [t for t in body.tokens if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
             raise APIError.bad_request(f"tokens: token id {bad[0]} is outside the vocabulary "

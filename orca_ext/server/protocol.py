@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import from_json
 
+from ..detokenizer import TokenText
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import STRUCTURED_KINDS, SamplingParams, StructuredOutputsParams
 
@@ -187,7 +188,7 @@ class _SamplingFields(_Request):
             "response_format.type must be \"text\", \"json_object\" or \"json_schema\", got "
             f"{_short(kind)}", "response_format")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         given = {name: value for name in _PASSED_TO_SAMPLING_PARAMS
                  if (value := getattr(self, name)) is not None}
         structured = self.structured_outputs_params()
@@ -501,64 +502,6 @@ def usage_of(outputs: list[RequestOutput]) -> dict[str, Any]:
     return usage(sum(len(o.prompt_token_ids) for o in outputs),
                  sum(len(c.token_ids) for o in outputs for c in o.outputs),
                  sum(o.num_cached_tokens for o in outputs))
-
-
-def _byte_level_chars() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet: printable character -> the byte it stands for."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-                 *range(ord("\xae"), ord("\xff") + 1)]
-    chars = {chr(b): b for b in printable}
-    others = [b for b in range(256) if b not in printable]
-    chars.update((chr(256 + i), b) for i, b in enumerate(others))
-    return chars
-
-
-_BYTE_LEVEL = _byte_level_chars()
-
-
-class TokenText:
-    """Token id -> (text, bytes) of that token alone, for logprobs; cached. A token that is
-    not whole UTF-8 (part of a multi-byte character) shows as ``bytes:\\xe2\\x80``, as
-    OpenAI writes it, when the tokenizer is byte-level."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        self._cache: dict[int, tuple[str, list[int]]] = {}
-
-    def __call__(self, token_id: int) -> str:
-        return self.entry(token_id)[0]
-
-    def bytes(self, token_id: int) -> list[int]:
-        return self.entry(token_id)[1]
-
-    def entry(self, token_id: int) -> tuple[str, list[int]]:
-        entry = self._cache.get(token_id)
-        if entry is None:
-            entry = self._lookup(token_id)
-            if len(self._cache) < 1 << 16:
-                self._cache[token_id] = entry
-        return entry
-
-    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
-        tokenizer = self._tokenizer
-        if tokenizer is None:
-            return f"<{token_id}>", []
-        try:
-            text = tokenizer.decode([token_id], skip_special_tokens=False)
-        except TypeError:
-            text = tokenizer.decode([token_id])
-        raw = None
-        inner = getattr(tokenizer, "inner", None)
-        if inner is not None and hasattr(inner, "id_to_token"):
-            piece = inner.id_to_token(token_id)
-            if piece and all(c in _BYTE_LEVEL for c in piece):
-                raw = bytes(_BYTE_LEVEL[c] for c in piece)
-        if "\ufffd" in text and raw is not None:
-            try:
-                raw.decode()
-            except UnicodeDecodeError:
-                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
-        return text, list(text.encode())
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]],

@@ -126,7 +126,8 @@ def build_draft_proposer(model_name: str, quantization: str | None, target, bloc
     ``num_kv_tokens`` tokens (ValueError when its vocabulary is not ``target``'s, or its context
     is shorter)."""
     from ..model import load_model
-    from ..model.loader import resolve_dtype, runs_quantized
+    from ..model.dtypes import resolve_dtype
+    from ..model.loader import runs_quantized
     from ..runner import ModelRunner
 
     device = target.device
@@ -134,10 +135,10 @@ def build_draft_proposer(model_name: str, quantization: str | None, target, bloc
     draft = load_model(model_name, dtype, str(device), quantization)
     check_same_vocabulary(target.tokenizer, target.config.vocab_size, draft.tokenizer,
                           draft.config.vocab_size, model_name)
-    if draft.max_model_len < target.max_model_len:
+    if draft.info.max_model_len < target.info.max_model_len:
         raise ValueError(f"speculative_config.model: {model_name!r} has a context of "
-                         f"{draft.max_model_len} tokens, shorter than the target's "
-                         f"{target.max_model_len} (set max_model_len)")
+                         f"{draft.info.max_model_len} tokens, shorter than the target's "
+                         f"{target.info.max_model_len} (set max_model_len)")
     num_blocks = -(-num_kv_tokens // block_size)
     kv_cache = KVCache(draft.config, num_blocks, block_size, draft.dtype, draft.device)
     return DraftModelProposer(ModelRunner(draft.model, kv_cache), SlotAllocator(num_blocks,

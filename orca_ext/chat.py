@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from .model.loader import ModelInfo
 
 NO_CHAT_TEMPLATE = (
     "the model has no chat template (it is probably a base model, not a chat model): give one "
@@ -85,16 +85,17 @@ class ChatTemplate:
         self._specials = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
 
     @classmethod
-    def for_engine(cls, engine: Engine, source: str | None = None) -> ChatTemplate:
-        """The template chat requests to ``engine`` render with: ``source`` (a template's text)
-        if given, else the model's own; its ``bos_token`` and ``eos_token`` are the model's."""
+    def for_model(cls, info: ModelInfo, source: str | None = None) -> ChatTemplate:
+        """The template chat requests to the model ``info`` describes render with: ``source``
+        (a template's text) if given, else the model's own; its ``bos_token`` and
+        ``eos_token`` are the tokenizer's."""
         def token(token_id: int | None) -> str | None:
-            if token_id is None or engine.tokenizer is None:
+            if token_id is None or info.tokenizer is None:
                 return None
-            return engine.tokenizer.id_to_token(token_id)
+            return info.tokenizer.id_to_token(token_id)
 
-        return cls(engine.chat_template if source is None else source,
-                   bos_token=token(engine.bos_token_id), eos_token=token(engine.eos_token_id))
+        return cls(info.chat_template if source is None else source,
+                   bos_token=token(info.bos_token_id), eos_token=token(info.eos_token_id))
 
     @property
     def uses_tools(self) -> bool:
