@@ -3,7 +3,7 @@ memory, the share of equal greedy chat answers, and one-stream decode speed (our
 float32 and bfloat16).
 
     python bench/quantized_model.py [--model smollm2-135m-instruct] [--max-tokens 64]
-        [--decode-tokens 128] [--batch-sizes 1 8]
+        [--decode-tokens 128] [--batch-sizes 1 8] [--stored-dtype float32]
 
 ``ORCA_QUANT_ISA`` forces the quantized kernels' ISA path (portable, avx2, avx512, avx512_vnni,
 amx_int8), as in the tests.
@@ -77,11 +77,14 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--stored-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the stored formats' activation dtype")
     args = parser.parse_args()
-    print(f"{args.model}, {torch.get_num_threads()} threads", flush=True)
+    print(f"{args.model}, {torch.get_num_threads()} threads, stored formats with "
+          f"{args.stored_dtype} activations", flush=True)
     gc.collect()
     before = rss_bytes()
-    native = load_model(args.model, "float32")
+    native = load_model(args.model, args.stored_dtype)
     gc.collect()
     growth = rss_bytes() - before
     print(f"stored formats: weights {weight_bytes(native.model) / 1e6:.1f} MB, RSS growth "

@@ -1,7 +1,7 @@
 """Ours against llama.cpp on the same GGUF weights and the same threads, in one run.
 
     pip install llama-cpp-python==0.3.36   # builds llama.cpp with -march=native (~7 min, 2 cores)
-    python bench/vs_llamacpp.py [--model smollm2-135m-instruct] [--threads 2]
+    python bench/vs_llamacpp.py [--model smollm2-135m-instruct] [--requantize q4_k_m] [--threads 2]
         [--sections load one_stream offline] [--llamacpp-files stored q8_0 f32] [--extra-bufts]
         [--prompt-tokens 512] [--decode-tokens 128] [--repeats 3]
         [--num-requests 32] [--ours-batch-sizes 32] [--llamacpp-batch-sizes 16] [--json FILE]
@@ -70,7 +70,7 @@ OURS = {
     "bf16": ("ours, dequantized bfloat16", dict(dtype="bfloat16", quantization="none")),
 }
 # llama.cpp's files: the one shipped, and copies written by llama_model_quantize (its ftype).
-LLAMACPP_FTYPES = {"q8_0": 7, "f32": 0}
+LLAMACPP_FTYPES = {"q8_0": 7, "f32": 0, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
 
 
 def ours_one_stream(model: str, prompt: list[int], decode_tokens: int, repeats: int,
@@ -363,6 +363,9 @@ def plot(record: dict, title: str, paths: Sequence[Path]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--requantize", choices=tuple(LLAMACPP_FTYPES), default=None,
+                        help="run every engine on the model's file re-quantized to this by "
+                             "llama.cpp's llama_model_quantize (its K-quant mixes included)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sections", nargs="+", choices=("load", "one_stream", "offline"),
                         default=["load", "one_stream", "offline"])
@@ -394,6 +397,8 @@ def main() -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
     path = str(resolve_model_path(args.model))
+    if args.requantize:
+        path = llamacpp_file(path, args.requantize, Path(args.work_dir), args.threads)
     vocab = load_model_info(args.model).config.vocab_size
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), "unknown CPU")

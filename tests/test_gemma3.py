@@ -112,7 +112,7 @@ def test_stored_formats_fused_stack_is_bit_exact(stored):
 
 def test_stored_formats_answer_as_the_float_weights_begin(stored, hf_continuations):
     """Greedy continuations on the stored formats start as the float32 weights' do (the file's
-    blocks run as stored, but the q8_0 linears' 1-2 token steps round their activations to int8
+    blocks run as stored, but the 1-2 token steps split their activations into two int8 parts
     on avx512_vnni and amx_int8, so longer runs may drift apart)."""
     llm = LLM(stored, max_batch_size=4, kv_cache_tokens=2048)
     outputs = llm.generate([ids for ids, _ in hf_continuations],

@@ -19,7 +19,8 @@ from orca_ext.quantize import QUANTIZE_FORMATS, block_weights, dequantize_weight
 
 FORMATS = list(QUANTIZE_FORMATS)
 # The formats run as stored from GGUF files, which gguf-py does not quantize (K-quants) or
-# orca_ext.quantize does not make: random valid blocks. No ISA rounds their activations to int8.
+# orca_ext.quantize does not make: random valid blocks. avx512_vnni's int8 kernels read them
+# too; amx_int8's tiles do not.
 STORED_FORMATS = ["q5_0", "q5_1", "q4_K", "q5_K", "q6_K"]
 # The largest |q * scale| of each stored format per unit of its float16 scales (q6_K: 128 * 32),
 # so that random blocks get weights of order 1 / sqrt(K).
@@ -84,22 +85,23 @@ def int8x2_rounded(rows: torch.Tensor, lo_steps: int) -> torch.Tensor:
     return (hi.double() * dx.double() + lo.double() * dx_lo.double()).reshape(rows.shape)
 
 
-def rounding(isa: str, T: int, dtype: torch.dtype, int8_activations: bool = True):
-    """How the path rounds T tokens of x: remainders in dx / 256 where avx512_vnni's kernels (on
-    amx_int8 too) take up to INT8_MAX_T tokens, in dx / 254 where amx_int8's tiles take more,
-    else None (float32 activations)."""
+def rounding(isa: str, T: int, dtype: torch.dtype, fmt: str, int8_activations: bool = True):
+    """How the path rounds T tokens of x in fmt: remainders in dx / 256 where avx512_vnni's
+    kernels (on amx_int8 too) take up to INT8_MAX_T tokens, in dx / 254 where amx_int8's tiles
+    take more (not the stored formats), else None (float32 activations)."""
     if T <= INT8_MAX_T:
         vnni = isa in ("avx512_vnni", "amx_int8") and int8_activations
         return functools.partial(int8x2_rounded, lo_steps=256) if vnni else None
-    if isa == "amx_int8" and (dtype == torch.float32 or T <= AMX_MAX_T_BF16):
+    tiles = isa == "amx_int8" and fmt not in STORED_FORMATS
+    if tiles and (dtype == torch.float32 or T <= AMX_MAX_T_BF16):
         return functools.partial(int8x2_rounded, lo_steps=254)
     return None
 
 
-def kernel_rows(rows: torch.Tensor, isa: str, dtype: torch.dtype,
+def kernel_rows(rows: torch.Tensor, isa: str, dtype: torch.dtype, fmt: str,
                 int8_activations: bool = True) -> torch.Tensor:
-    """The activations the kernels multiply."""
-    rounded = rounding(isa, rows.shape[0], dtype, int8_activations)
+    """The activations the kernels of fmt multiply."""
+    rounded = rounding(isa, rows.shape[0], dtype, fmt, int8_activations)
     return rounded(rows) if rounded else rows
 
 
@@ -122,7 +124,7 @@ def assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) 
 def test_quantized_linear(isa, fmt, dtype, T, K, N):
     q, w = quantized(fmt, K, N)
     x = torch.randn(T, K, generator=torch.Generator().manual_seed(T)).to(dtype)
-    expected = kernel_rows(x.double(), isa, dtype) @ w.double().t()
+    expected = kernel_rows(x.double(), isa, dtype, fmt) @ w.double().t()
     assert_close(ops.quantized_linear(x, q, fmt, K), expected, dtype)
 
 
@@ -135,12 +137,13 @@ STORED_SHAPES = {32: [(32, 7), (288, 33)], 256: [(256, 7), (768, 33)]}
 @pytest.mark.parametrize("T", [1, 2, 3, 8, 9, 17, 25, 600])
 @pytest.mark.parametrize("shape", [0, 1])
 def test_quantized_linear_stored_formats(isa, fmt, dtype, T, shape):
-    """The dot kernels (1-24 tokens) and the panels, on every ISA: avx512_vnni and amx_int8 run
-    these formats on avx512's float kernels, so no rounding of x beyond its dtype."""
+    """The dot kernels (1-24 tokens; avx512_vnni's int8 kernels up to INT8_MAX_T) and the
+    panels, on every ISA: amx_int8 runs these formats on avx512's float kernels beyond."""
     K, N = STORED_SHAPES[block_weights(fmt)][shape]
     q, w = quantized(fmt, K, N)
     x = torch.randn(T, K, generator=torch.Generator().manual_seed(T)).to(dtype)
-    assert_close(ops.quantized_linear(x, q, fmt, K), x.double() @ w.double().t(), dtype)
+    expected = kernel_rows(x.double(), isa, dtype, fmt) @ w.double().t()
+    assert_close(ops.quantized_linear(x, q, fmt, K), expected, dtype)
 
 
 @pytest.mark.parametrize("fmt", STORED_FORMATS)
@@ -151,7 +154,7 @@ def test_stored_formats_dequantize_as_gguf(isa, fmt):
     assert torch.equal(ops.quantized_embedding(torch.arange(9), q, fmt, K), w)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + STORED_FORMATS)
 @pytest.mark.parametrize("isa,T,steps", [("avx512_vnni", 1, 512), ("avx512_vnni", 2, 512),
                                          ("amx_int8", 1, 512), ("amx_int8", 3, 508),
                                          ("amx_int8", 40, 508), ("amx_int8", 300, 508)])
@@ -162,8 +165,10 @@ def test_int8_activation_error(fmt, isa, T, steps, monkeypatch):
     sum_k |w_k| dx_k / steps."""
     if isa not in _C.quant_isas():
         pytest.skip(f"this CPU does not run the {isa} path")
+    if rounding(isa, T, torch.float32, fmt) is None:
+        pytest.skip(f"{isa} takes {T} tokens of {fmt} as float32")
     monkeypatch.setenv("ORCA_QUANT_ISA", isa)
-    K, N = 576, 129
+    K, N = (576, 129) if block_weights(fmt) == 32 else (768, 129)
     q, w = quantized(fmt, K, N)
     x = torch.randn(T, K, generator=torch.Generator().manual_seed(5))
     dx = (x.reshape(T, -1, 32).abs().amax(-1, keepdim=True) / 127).expand(-1, -1, 32)
@@ -172,7 +177,7 @@ def test_int8_activation_error(fmt, isa, T, steps, monkeypatch):
     error = (out - x.double() @ w.double().t()).abs()
     assert (error <= bound + TOL[torch.float32]).all()
     # The activations are rounded indeed: the reference without the rounding is further off.
-    exact = (out - kernel_rows(x.double(), isa, torch.float32) @ w.double().t()).abs()
+    exact = (out - kernel_rows(x.double(), isa, torch.float32, fmt) @ w.double().t()).abs()
     assert error.mean() > 4 * exact.mean()
 
 
@@ -205,9 +210,9 @@ def test_quantized_linear_epilogue(isa, fmt, dtype, T, activation, with_bias, wi
     kind = "layer_norm" if norm.startswith("layer_norm") else norm
     norm_args = () if norm == "none" else (kind, gamma, beta, 1e-5)
     out = ops.quantized_linear(x, q, fmt, K, b, activation, r, *norm_args)
-    if fmt in FORMATS and rounding(isa, T, dtype):  # the op's own normalized rows, rounded
+    if rounding(isa, T, dtype, fmt):  # the op's own normalized rows, rounded
         rows = kernel_rows(x.double() if norm == "none" else normed_rows(x, *norm_args).double(),
-                           isa, dtype)
+                           isa, dtype, fmt)
     else:
         rows = (x if norm == "none" else ref.rms_norm(x, gamma, 1e-5) if kind == "rms_norm"
                 else ref.layer_norm(x, gamma, beta, 1e-5))
@@ -261,7 +266,7 @@ def test_noncontiguous_inputs():
     wide[:, :q.shape[1]] = q
     out = ops.quantized_linear(x, wide[:, :q.shape[1]], "q8_0", 96)
     torch.testing.assert_close(out, ops.quantized_linear(x.contiguous(), q, "q8_0", 96))
-    rows = kernel_rows(x.double(), _C.quant_isas()[-1], torch.float32)  # the default path's
+    rows = kernel_rows(x.double(), _C.quant_isas()[-1], torch.float32, "q8_0")  # the default
     assert_close(out, rows @ w.double().t(), torch.float32)
 
 
@@ -285,7 +290,7 @@ def test_inference_mode():
             with torch.inference_mode():
                 out = ops.quantized_linear(x, q, "q4_0", 96, None, "gelu_tanh")
             assert out.is_inference()
-            rows = kernel_rows(x.double(), _C.quant_isas()[-1], dtype)  # the default path's
+            rows = kernel_rows(x.double(), _C.quant_isas()[-1], dtype, "q4_0")  # the default
             assert_close(out, ref.packed_linear(rows, w, None, "gelu_tanh"), dtype)
 
 

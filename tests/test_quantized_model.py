@@ -219,14 +219,16 @@ def test_q5_0_and_q4_0_parts_beside_q8_0_load_exactly_as_q8_0(tmp_path, caplog):
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 def test_stored_formats_run_as_the_dequantized_model(stored_formats_model, isa):
-    """On every ISA (avx512_vnni and amx_int8 run these formats on avx512's float kernels) the
-    logits are the dequantized model's to float32 summation order, and the fused stack's decode
-    steps equal the per-op blocks bit for bit."""
+    """On every ISA the logits are the dequantized model's to float32 summation order (on
+    avx512_vnni and amx_int8, 1-2 token steps to their two int8 parts of the activations, as
+    test_int8_activation_logits_stay_close bounds them), and the fused stack's decode steps
+    equal the per-op blocks bit for bit."""
     native, dequantized = stored_formats_model
     for tokens in (TOKENS, TOKENS[:1], TOKENS[:2]):
         want = forward_logits(dequantized, tokens)
-        torch.testing.assert_close(forward_logits(native, tokens), want, rtol=1e-4,
-                                   atol=1e-4 * float(want.abs().max()))
+        int8 = isa in ("avx512_vnni", "amx_int8") and len(tokens) <= 2
+        torch.testing.assert_close(forward_logits(native, tokens), want, rtol=0 if int8 else 1e-4,
+                                   atol=(1e-3 if int8 else 1e-4) * float(want.abs().max()))
     assert unsupported_reason(native.model) is None
     assert build_decoder_stack(native.model).max_tokens() == 8
     for batch in ("decode_4", "mixed_8"):

@@ -515,7 +515,7 @@ int64_t DecoderStack::max_tokens() const {
   // amx_int8's tile kernels (q8_0, q4_0, q4_1) gain on the per-op path's panels up to
   // kQuantStackMaxT tokens; the float dot kernels, 8 tokens a pass, do not beyond kSkinnyMaxT.
   const auto tiled = [](const Linear& linear) {
-    return linear.format && cpu::quant::has_int8_kernels(*linear.format);
+    return linear.format && cpu::quant::has_tile_kernels(*linear.format);
   };
   const bool quantized =
       !layers_.empty() && std::all_of(layers_.begin(), layers_.end(), [&](const Layer& l) {

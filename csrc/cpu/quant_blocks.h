@@ -51,17 +51,17 @@ QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& q
                                         double norm_eps);
 
 // The path of T tokens of the format on the ISA (allow_int8: whether the call allows int8
-// rounding). avx512_vnni and amx_int8 run the formats without int8 kernels on AVX-512's float
-// kernels.
+// rounding). amx_int8 runs the formats without tile kernels beyond kInt8MaxT tokens on
+// AVX-512's float kernels.
 inline Int8Path int8_path(cpu::quant::Isa isa, cpu::quant::Format fmt, int64_t T,
                           bool allow_int8) {
   using cpu::quant::Isa;
-  if (!cpu::quant::has_int8_kernels(fmt)) return Int8Path::kNone;
   if (T <= kInt8MaxT) {
     const bool vnni = isa == Isa::kAvx512Vnni || isa == Isa::kAmxInt8;
     return vnni && allow_int8 ? Int8Path::kVnni : Int8Path::kNone;
   }
-  return isa == Isa::kAmxInt8 ? Int8Path::kAmx : Int8Path::kNone;
+  return isa == Isa::kAmxInt8 && cpu::quant::has_tile_kernels(fmt) ? Int8Path::kAmx
+                                                                   : Int8Path::kNone;
 }
 
 // The bytes of x_int8 for T tokens of K values on the path.

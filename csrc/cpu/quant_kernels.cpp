@@ -25,10 +25,10 @@
 namespace orca::cpu::quant {
 namespace {
 
-// f.template operator()<F>() for a format the int8 kernels read (has_int8_kernels); their
+// f.template operator()<F>() for a format the tile kernels read (has_tile_kernels); their
 // callers route the others to the float kernels (quant_blocks.h's int8_path).
 template <typename Fn>
-void dispatch_int8_format(Format format, const Fn& f) {
+void dispatch_tile_format(Format format, const Fn& f) {
   switch (format) {
     case Format::kQ8_0: return f.template operator()<Format::kQ8_0>();
     case Format::kQ4_0: return f.template operator()<Format::kQ4_0>();
@@ -46,7 +46,7 @@ void dispatch_format(Format format, const Fn& f) {
     case Format::kQ4_K: return f.template operator()<Format::kQ4_K>();
     case Format::kQ5_K: return f.template operator()<Format::kQ5_K>();
     case Format::kQ6_K: return f.template operator()<Format::kQ6_K>();
-    default: return dispatch_int8_format(format, f);
+    default: return dispatch_tile_format(format, f);
   }
 }
 
@@ -86,7 +86,7 @@ void dot_rows(Isa isa, Format format, const float* x, int64_t T, int64_t K, cons
   dispatch_format(format, [&]<Format F>() {
     dispatch_tokens(T, [&]<int kT>() {
       switch (isa) {
-        // avx512_vnni and amx_int8 run the float kernels of AVX-512 where they run no int8 ones.
+        // avx512_vnni and amx_int8 run AVX-512's float kernels for float activations.
         case Isa::kAvx512:
         case Isa::kAvx512Vnni:
         case Isa::kAmxInt8: return avx512::dot_rows<F, kT>(x, K, w, rows, y, y_stride);
@@ -108,7 +108,7 @@ void quantize_activations(Format format, const float* x, int64_t T, int64_t K, v
 void dot_rows_int8(Format format, const void* x_int8, int64_t T, int64_t K, const uint8_t* w,
                    int64_t rows, float* y, int64_t y_stride) {
   const auto* x = static_cast<const vnni::BlockPair*>(x_int8);
-  dispatch_int8_format(format, [&]<Format F>() {
+  dispatch_format(format, [&]<Format F>() {
     dispatch_tokens(T, [&]<int kT>() { vnni::dot_rows<F, kT>(x, K, w, rows, y, y_stride); });
   });
 }
@@ -127,7 +127,7 @@ void quantize_activations_amx(Format format, const float* x, int64_t T, int64_t 
 void dot_rows_amx(Format format, const void* x_amx, int64_t T, int64_t K, const uint8_t* w,
                   int64_t rows, float* y, int64_t y_stride) {
   const auto* x = static_cast<const uint8_t*>(x_amx);
-  dispatch_int8_format(format,
+  dispatch_tile_format(format,
                        [&]<Format F>() { amx::dot_rows<F>(x, T, K, w, rows, y, y_stride); });
 }
 

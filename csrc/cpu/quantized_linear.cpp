@@ -8,10 +8,10 @@
 // bfloat16 x) and runs one GEMM of all tokens against it (at::mm: MKL / oneDNN), then the
 // epilogue on the panel's output columns while they are in cache.
 // The kernels' ISA (portable, avx2, avx512, avx512_vnni: avx512 with int8 activations for up to
-// kInt8MaxT tokens, amx_int8: avx512_vnni with AMX-INT8 tile products on activations split into
-// two int8 parts for more: any number of float32 tokens, up to kAmxMaxTBf16 bfloat16 ones; both
-// for q8_0 / q4_0 / q4_1 only, avx512 for the other formats) is the best this CPU runs, or
-// ORCA_QUANT_ISA's.
+// kInt8MaxT tokens, every format; amx_int8: avx512_vnni with AMX-INT8 tile products on
+// activations split into two int8 parts for more: any number of float32 tokens, up to
+// kAmxMaxTBf16 bfloat16 ones, for q8_0 / q4_0 / q4_1, avx512 for the other formats) is the best
+// this CPU runs, or ORCA_QUANT_ISA's.
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <torch/library.h>

@@ -76,10 +76,14 @@ class PinnedUpload:
 
 
 class _Graph:
-    """One bucket's captured decode iteration and the views it reads and writes."""
+    """One bucket's captured decode iteration, the output it writes, and the inputs it reads
+    that live nowhere else: replays read them at their captured addresses, so they must stay
+    allocated (freed, the caching allocator hands their memory to other tensors)."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor) -> None:
-        self.graph, self.logits = graph, logits
+    def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor,
+                 meta: AttentionMetadata, sample_rows: torch.Tensor) -> None:
+        # meta also keeps what the warm-up run may have cached on it.
+        self.graph, self.logits, self.meta, self.sample_rows = graph, logits, meta, sample_rows
 
 
 class DecodeGraphs:
@@ -143,7 +147,7 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = run()
         self.pool = graph.pool()
-        entry = self.graphs[b] = _Graph(graph, logits)
+        entry = self.graphs[b] = _Graph(graph, logits, meta, sample_rows)
         return entry
 
     def run(self, b: int, input_ids: torch.Tensor, positions: torch.Tensor,

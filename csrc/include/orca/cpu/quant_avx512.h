@@ -1,6 +1,6 @@
 // The quantized linear's AVX-512 path (16-float vectors, AVX-512 F/BW/VL, FMA, F16C), compiled
 // through a target pragma so that a baseline build carries it and picks it at run time. The
-// formats without int8 kernels take their quant bytes from the AVX2 path's chunk_quant_bytes.
+// formats without tile kernels take their quant bytes from the AVX2 path's chunk_quant_bytes.
 #pragma once
 
 #include <immintrin.h>
@@ -49,7 +49,7 @@ struct Vec {
   // Chunk c (32 weights) of a row of F's blocks.
   template <Format F>
   static void dequant(const uint8_t* row, int64_t c, V (&w)[2]) {
-    if constexpr (has_int8_kernels(F)) {
+    if constexpr (has_tile_kernels(F)) {
       const uint8_t* block = row + c * block_bytes(F);
       const V d = broadcast_half(block);
       const uint8_t* qs = block + quants_offset(F);

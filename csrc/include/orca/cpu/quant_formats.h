@@ -61,10 +61,10 @@ constexpr int64_t row_bytes(Format f, int64_t K) {
   return K / weights_per_block(f) * block_bytes(f);
 }
 
-// Whether the avx512_vnni / amx_int8 int8-activation kernels read the format (q8_0, q4_0,
-// q4_1); they also keep their own tuned float dequantization, while the others are read as
-// unsigned quants times a scale plus an offset (chunk_scale, chunk_quants).
-constexpr bool has_int8_kernels(Format f) {
+// Whether the format's blocks are dequantized by their own code (q8_0, q4_0, q4_1), which
+// amx_int8's tile kernels also read; the others are read as unsigned quants times a scale plus
+// an offset (chunk_scale, chunk_quants). avx512_vnni's int8 kernels read every format.
+constexpr bool has_tile_kernels(Format f) {
   return f == Format::kQ8_0 || f == Format::kQ4_0 || f == Format::kQ4_1;
 }
 
@@ -109,7 +109,7 @@ inline void scale_min_k4(int s, const uint8_t* scales, int& scale, int& min) {
   }
 }
 
-// How chunk c (weights 32c to 32c + 31) of a row in a format without int8 kernels is scaled:
+// How chunk c (weights 32c to 32c + 31) of a row in a format without tile kernels is scaled:
 // weight j is q[j] * scale[j / 16] + offset[j / 16], q its unsigned quant (chunk_quants).
 struct ChunkScale {
   float scale[2];
@@ -121,7 +121,7 @@ struct ChunkScale {
 // after q * scale (exact) gives gguf's values.
 template <Format F, typename HalfToFloat>
 inline ChunkScale chunk_scale(const uint8_t* row, int64_t c, const HalfToFloat& half) {
-  static_assert(!has_int8_kernels(F));
+  static_assert(!has_tile_kernels(F));
   if constexpr (F == Format::kQ5_0 || F == Format::kQ5_1) {
     const uint8_t* block = row + c * block_bytes(F);
     const float d = half(load_u16(block));
@@ -166,7 +166,7 @@ inline Q5Quants q5_quants(const uint8_t* block) {
 // (the vector paths build them 32 at once from the same bytes).
 template <Format F>
 inline void chunk_quants(const uint8_t* row, int64_t c, uint8_t (&q)[kBlockSize]) {
-  static_assert(!has_int8_kernels(F));
+  static_assert(!has_tile_kernels(F));
   if constexpr (F == Format::kQ5_0 || F == Format::kQ5_1) {
     const auto [qh, qs] = q5_quants<F>(row + c * block_bytes(F));
     for (int j = 0; j < kBlockSize / 2; ++j) {

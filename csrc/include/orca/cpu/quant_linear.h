@@ -39,8 +39,8 @@ void dot_rows(Isa isa, Format format, const float* x, int64_t T, int64_t K, cons
 
 // kAvx512Vnni's dot kernels: the bytes of T tokens of K values rounded to int8 blocks, x as
 // rounded (K a multiple of 32), and dot_rows on them (T from 1 to kMaxDotTokens; token t of
-// x_int8 starts int8_activation_bytes(t, K) bytes in). These and the tile kernels below take
-// only the formats with has_int8_kernels.
+// x_int8 starts int8_activation_bytes(t, K) bytes in), for every format. The tile kernels below
+// take only the formats with has_tile_kernels.
 int64_t int8_activation_bytes(int64_t T, int64_t K);
 void quantize_activations(Format format, const float* x, int64_t T, int64_t K, void* x_int8);
 void dot_rows_int8(Format format, const void* x_int8, int64_t T, int64_t K, const uint8_t* w,
