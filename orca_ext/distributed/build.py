@@ -10,7 +10,9 @@ from ..model.loader import load_model_info
 from ..scheduler import make_scheduler
 from ..spec_decode import make_speculator
 from .executor import DistributedExecutor
+from .lora import DriverLoRA
 from .messages import WorkerSpec
+from .sharded_load import build_meta_model
 
 
 def build_distributed_engine(config: EngineConfig) -> Engine:
@@ -41,10 +43,16 @@ def build_distributed_engine(config: EngineConfig) -> Engine:
                                    config.max_batch_size, info.max_model_len,
                                    config.kv_cache_tokens, config.kv_cache_memory, local_caches)
     allocator = SlotAllocator(num_blocks, config.block_size)
+    lora = (config.max_loras, config.max_lora_rank, config.max_cpu_loras) \
+        if config.enable_lora else None
     spec = WorkerSpec(config.model, str(config.dtype).removeprefix("torch."), device, tp,
                       parallel.pipeline_parallel_size, [(s.start, s.stop) for s in stages],
-                      num_blocks, config.block_size)
+                      num_blocks, config.block_size, lora)
     executor = DistributedExecutor(parallel, spec, model_config)
+    if config.enable_lora:
+        reference = build_meta_model(model_config, config.dtype, "cpu")
+        executor.lora_manager = DriverLoRA(reference, config.max_lora_rank,
+                                           executor.send_control)
     speculator = make_speculator(config.speculative_config)  # n-gram: no model of its own
     return Engine(executor, make_scheduler(config.scheduler_config(), allocator, speculator),
                   max_model_len=info.max_model_len, tokenizer=info.tokenizer,
