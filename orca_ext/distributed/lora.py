@@ -2,7 +2,8 @@
 against the whole model's shapes (a model on the meta device), keeps the adapters known, and
 tells the workers through the control plane, in order with the batches, so a batch reaches
 every worker after the adapters its requests use; each worker then reads its own share of the
-adapter's files (``lora/shard.py``)."""
+adapter's files (``lora/shard.py``), which must be at the same path on every node, as the
+model's are."""
 from __future__ import annotations
 
 import logging
