@@ -1,6 +1,7 @@
 """LoRA serving throughput: Orca's offline workload over many adapters in one packed batch,
-against the same requests on the base model only, and against merging each adapter into the
-weights and serving its requests on their own (what serving without a segmented LoRA op does).
+against the same requests on the base model only, against merging each adapter into the
+weights and serving its requests on their own (what serving without a segmented LoRA op does),
+and against transformers + peft serving the same adapters.
 
     python bench/lora.py [--model smollm2-135m-instruct] [--quantization none]
                          [--num-requests 32] [--num-adapters 8] [--rank 16]
@@ -10,7 +11,12 @@ weights and serving its requests on their own (what serving without a segmented 
 Random adapters in PEFT's format (nonzero A and B) are written to a temporary folder; requests
 take them round-robin. Prints output tokens/s of each way and the ratios. ``--quantization
 none`` (the default) dequantizes the base so that the merged baseline can add B @ A to its
-weights; pass ``--quantization ''`` to run the GGUF's stored formats (no merged baseline then).
+weights and transformers can load it; pass ``--quantization ''`` to run the GGUF's stored
+formats (neither baseline then). transformers + peft (``--no-peft`` skips it) runs the
+dequantized weights with every adapter loaded into one ``PeftModel``, static batches of
+``--max-batch-size`` requests in arrival order, each batch's rows on their own adapters (peft's
+mixed-adapter batches: ``generate(..., adapter_names=[...])``), left-padded, ``max_new_tokens``
+= the batch's longest output; only each request's own output length counts.
 """
 from __future__ import annotations
 
@@ -47,7 +53,8 @@ def write_adapter(folder: Path, model: torch.nn.Module, rank: int, targets: list
     folder.mkdir(parents=True)
     save_file(tensors, folder / "adapter_model.safetensors")
     (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets}))
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+        "target_modules": targets}))
 
 
 def workload(args: argparse.Namespace, vocab_size: int):
@@ -68,6 +75,46 @@ def timed(fn, repeats: int = 2) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def peft_model(loaded, requests: list[LoRARequest]):
+    """transformers on ``loaded``'s float weights, with every adapter of ``requests`` loaded
+    (named by its ``lora_name``)."""
+    import peft
+    import transformers
+
+    from orca_ext.model.loader import save_pretrained_folder
+
+    with tempfile.TemporaryDirectory() as folder:
+        save_pretrained_folder(loaded, folder)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=loaded.dtype)
+    model = peft.PeftModel.from_pretrained(model, requests[0].lora_path,
+                                           adapter_name=requests[0].lora_name)
+    for r in requests[1:]:
+        model.load_adapter(r.lora_path, adapter_name=r.lora_name)
+    return model.eval()
+
+
+@torch.inference_mode()
+def peft_generate(model, prompts: list[list[int]], params: list[SamplingParams],
+                  adapter_names: list[str], batch_size: int, pad_id: int) -> list[list[int]]:
+    """Static batches in arrival order, each row with its own adapter; each request's output."""
+    outputs = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = range(i, min(i + batch_size, len(prompts)))
+        width = max(len(prompts[j]) for j in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, j in enumerate(chunk):  # left padding
+            ids[row, width - len(prompts[j]):] = torch.tensor(prompts[j])
+            mask[row, width - len(prompts[j]):] = 1
+        new = max(params[j].max_tokens for j in chunk)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, pad_token_id=pad_id,
+                             adapter_names=[adapter_names[j] for j in chunk])
+        outputs += [out[row, width:width + params[j].max_tokens].tolist()
+                    for row, j in enumerate(chunk)]
+    return outputs
 
 
 def merge(model: torch.nn.Module, adapter, sign: float) -> None:
@@ -93,6 +140,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512])
     parser.add_argument("--output-len", type=int, nargs=2, default=[1, 128])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-peft", action="store_true",
+                        help="skip the transformers + peft baseline")
     args = parser.parse_args()
     quantization = args.quantization or None
 
@@ -124,8 +173,10 @@ def main() -> None:
         for r in requests:  # read every adapter once, as a server's --lora-modules does
             lora.engine.add_lora(r)
         lora.generate(*warm, use_tqdm=False, lora_request=requests[0])
-        seconds["LoRA, one packed batch"] = timed(
-            lambda: lora.generate(prompts, params, use_tqdm=False, lora_request=loras))
+        ours: list = []
+        seconds["LoRA, one packed batch"] = timed(lambda: ours.append(
+            lora.generate(prompts, params, use_tqdm=False, lora_request=loras)))
+        ours = [list(o.outputs[0].token_ids) for o in ours[-1]]
         adapters = [lora.engine.lora._adapter(r.lora_int_id) for r in requests]
         del lora
         if quantization == "none":
@@ -141,10 +192,25 @@ def main() -> None:
                     merge(loaded.model, adapter, -1.0)
 
             seconds["merged per adapter"] = timed(per_adapter)
+        if quantization == "none" and not args.no_peft:
+            model = peft_model(loaded, requests)
+            pad_id = loaded.eos_token_ids[0] if loaded.eos_token_ids else 0
+            names = [r.lora_name for r in loras]
+            peft_generate(model, [prompts[0][:16]], [warm[1]], names[:1], 1, pad_id)
+            theirs: list = []
+            seconds["transformers + peft"] = timed(lambda: theirs.append(peft_generate(
+                model, prompts, params, names, args.max_batch_size, pad_id)))
+            same = sum(a == b for a, b in zip(ours, theirs[-1]))
+            print(f"transformers + peft: {same} of {len(ours)} requests' greedy tokens equal ours")
+            del model
     base_rate = num_output / seconds["base model only"]
     for name, s in seconds.items():
         rate = num_output / s
         print(f"{name:<24} {s:7.2f} s  {rate:8.1f} output tok/s  {rate / base_rate:5.2f}x base")
+    if "transformers + peft" in seconds:
+        print(f"LoRA in one packed batch: "
+              f"{seconds['transformers + peft'] / seconds['LoRA, one packed batch']:.2f}x "
+              "transformers + peft's output tokens/s")
 
 
 if __name__ == "__main__":

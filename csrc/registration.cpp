@@ -48,6 +48,11 @@ TORCH_LIBRARY(orca, m) {
             torch::arg("cu_q_lens"), torch::arg("context_lens"), torch::arg("block_table"),
             torch::arg("slot_mapping"), torch::arg("rotary_cos"), torch::arg("rotary_sin"),
             torch::arg("lora_slots")})
+      .def("forward_partial_lora", &orca::DecoderStack::forward_partial_lora, "",
+           {torch::arg("x"), torch::arg("k_caches"), torch::arg("v_caches"),
+            torch::arg("cu_q_lens"), torch::arg("context_lens"), torch::arg("block_table"),
+            torch::arg("slot_mapping"), torch::arg("rotary_cos"), torch::arg("rotary_sin"),
+            torch::arg("step"), torch::arg("add_residual"), torch::arg("lora_slots")})
       .def("num_layers", &orca::DecoderStack::num_layers)
       .def("max_tokens", &orca::DecoderStack::max_tokens);
 }

@@ -40,11 +40,11 @@ class EngineConfig:
     ``SpeculativeConfig``) turns on speculative decoding (``spec_decode``). ``kv_cache_dtype``
     (``kv.resolve_kv_cache_dtype``): ``"auto"`` keeps K/V in the activations' dtype, ``"int8"``
     stores them with a scale per token and KV head (CPU, one process), so the KV budget holds
-    more tokens. ``enable_lora`` serves LoRA adapters (``lora/``, one process): up to
-    ``max_loras`` of them in one batch, of rank up to ``max_lora_rank``, and the tensors of
-    ``max_cpu_loras`` (default ``max_loras``) kept on the CPU. ``check_kv_writes`` (debugging)
-    checks every batch's KV writes against its requests' blocks before it runs: a write into
-    a cached, possibly shared block raises."""
+    more tokens. ``enable_lora`` serves LoRA adapters (``lora/``): up to ``max_loras`` of them
+    in one batch, of rank up to ``max_lora_rank``, and the tensors of ``max_cpu_loras`` (default
+    ``max_loras``) kept on the CPU; distributed workers each keep their share of them.
+    ``check_kv_writes`` (debugging) checks every batch's KV writes against its requests' blocks
+    before it runs: a write into a cached, possibly shared block raises."""
 
     model: str | LoadedModel = DEFAULT_MODEL
     dtype: torch.dtype | str = "auto"
@@ -163,9 +163,6 @@ class EngineConfig:
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
                              f"({self.max_loras})")
-        if self.enable_lora and self.distributed:
-            raise ValueError("enable_lora runs in one process; tensor and pipeline parallel "
-                             "workers do not load adapters")
 
     @property
     def distributed(self) -> bool:

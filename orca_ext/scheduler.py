@@ -315,12 +315,14 @@ class Scheduler:
         return 0
 
     def _cache_key(self, request: Request) -> int:
-        """The block hashes' extra key: the salt, mixed with the request's adapter (a block's
-        KV under adapter X is not the base's or adapter Y's)."""
+        """The block hashes' extra key: the salt, mixed with the request's adapter load (a
+        block's KV under adapter X is not the base's or adapter Y's, nor that of an adapter
+        unloaded and replaced under X's id)."""
         salt = self.config.prefix_cache_salt
         if not request.lora_int_id:
             return salt
-        mixed = (salt ^ (request.lora_int_id * 0x9E3779B97F4A7C15)) & (2**64 - 1)
+        token = self.lora_slots.load_token(request.lora_int_id)
+        mixed = (salt ^ (token * 0x9E3779B97F4A7C15)) & (2**64 - 1)
         return mixed - 2**64 if mixed >= 2**63 else mixed
 
     def _prefix_hashes(self, request: Request) -> list[int]:

@@ -94,3 +94,24 @@ def test_lora_needs_a_slot_pool_and_a_policy():
         add(s, 0, lora=3)
     with pytest.raises(ValueError, match="policy 'orca' or 'paged'"):
         SchedulerConfig("request", enable_prefix_caching=False, max_loras=2)
+
+
+def test_prefix_cache_misses_an_adapter_unloaded_and_replaced_under_its_id():
+    """Blocks cached under adapter 1 are hit by its later requests, but not once adapter 1 is
+    unloaded (``forget``, as ``Engine.remove_lora`` does) and its id given to another adapter,
+    whose KV of the same tokens differs."""
+    config = SchedulerConfig("orca", max_batch_size=8, enable_prefix_caching=True, max_loras=1)
+    s = make_scheduler(config, SlotAllocator(64, 4))
+    prompt = list(range(1, 14))  # 3 full blocks of 4 tokens, and one more token
+
+    def cached_tokens(rid: int) -> int:
+        request = Request(rid, prompt, SamplingParams(max_tokens=1), 1, lora_int_id=1)
+        s.add_request(request)
+        assert step(s)[0] == [rid] and request.finished
+        return request.num_cached_tokens
+
+    assert cached_tokens(0) == 0
+    assert cached_tokens(1) == 12
+    s.lora_slots.forget(1)
+    assert cached_tokens(2) == 0
+    assert cached_tokens(3) == 12

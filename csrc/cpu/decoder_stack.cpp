@@ -729,6 +729,19 @@ at::Tensor DecoderStack::forward_partial(
              rotary_cos, rotary_sin, step, step + 1, add_residual, true);
 }
 
+at::Tensor DecoderStack::forward_partial_lora(
+    const at::Tensor& x, const std::vector<at::Tensor>& k_caches,
+    const std::vector<at::Tensor>& v_caches, const at::Tensor& cu_q_lens,
+    const at::Tensor& context_lens, const at::Tensor& block_table,
+    const at::Tensor& slot_mapping, const std::optional<at::Tensor>& rotary_cos,
+    const std::optional<at::Tensor>& rotary_sin, int64_t step, bool add_residual,
+    const at::Tensor& lora_slots) const {
+  TORCH_CHECK(step >= 0 && step < 2 * num_layers(), "step must be in [0, ", 2 * num_layers(),
+              ") (2 per layer: attention, then MLP), got ", step);
+  return run(x, k_caches, v_caches, cu_q_lens, context_lens, block_table, slot_mapping,
+             rotary_cos, rotary_sin, step, step + 1, add_residual, true, &lora_slots);
+}
+
 at::Tensor DecoderStack::run(const at::Tensor& x_in, const std::vector<at::Tensor>& k_caches,
                              const std::vector<at::Tensor>& v_caches,
                              const at::Tensor& cu_q_lens, const at::Tensor& context_lens,

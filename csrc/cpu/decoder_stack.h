@@ -94,6 +94,16 @@ class DecoderStack : public torch::CustomClassHolder {
                           const std::optional<at::Tensor>& rotary_sin,
                           const at::Tensor& lora_slots) const;
 
+  // forward_partial with each request's adapter slot, as forward_lora: a tensor-parallel rank's
+  // share of each delta (its slice of A for the row-parallel linears) goes into its partial sums.
+  at::Tensor forward_partial_lora(const at::Tensor& x, const std::vector<at::Tensor>& k_caches,
+                                  const std::vector<at::Tensor>& v_caches,
+                                  const at::Tensor& cu_q_lens, const at::Tensor& context_lens,
+                                  const at::Tensor& block_table, const at::Tensor& slot_mapping,
+                                  const std::optional<at::Tensor>& rotary_cos,
+                                  const std::optional<at::Tensor>& rotary_sin, int64_t step,
+                                  bool add_residual, const at::Tensor& lora_slots) const;
+
   // One linear's LoRA slots.
   struct LoraPair {
     at::Tensor a, b;

@@ -9,7 +9,9 @@ from ..kv import SlotAllocator, plan_kv_blocks
 from ..model.loader import ModelInfo, load_model_info
 from ..spec_decode import Speculator, make_speculator
 from .executor import DistributedExecutor
+from .lora import DriverLoRA
 from .messages import WorkerSpec
+from .sharded_load import build_meta_model
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
@@ -44,9 +46,15 @@ def build_distributed_executor(config: EngineConfig
     num_blocks, _ = plan_kv_blocks(worker_config, config.block_size, config.dtype, device,
                                    config.max_batch_size, info.max_model_len,
                                    config.kv_cache_tokens, config.kv_cache_memory, local_caches)
+    lora = (config.max_loras, config.max_lora_rank, config.max_cpu_loras) \
+        if config.enable_lora else None
     spec = WorkerSpec(config.model, str(config.dtype).removeprefix("torch."), device, tp,
                       parallel.pipeline_parallel_size, [(s.start, s.stop) for s in stages],
-                      num_blocks, config.block_size)
+                      num_blocks, config.block_size, lora)
     executor = DistributedExecutor(parallel, spec, model_config)
+    if config.enable_lora:
+        reference = build_meta_model(model_config, config.dtype, "cpu")
+        executor.lora_manager = DriverLoRA(reference, config.max_lora_rank,
+                                           executor.send_control)
     speculator = make_speculator(config.speculative_config)  # n-gram: no model of its own
     return info, executor, SlotAllocator(num_blocks, config.block_size), speculator

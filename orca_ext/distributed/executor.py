@@ -26,7 +26,7 @@ from ..model.config import ModelConfig
 from .comm import Channel, build_groups
 from .config import Layout, ParallelConfig
 from .launcher import WorkerProcesses
-from .messages import STOP, WorkerSpec
+from .messages import STOP, AddLoRA, RemoveLoRA, WorkerSpec
 
 
 class WorkerError(RuntimeError):
@@ -61,7 +61,13 @@ class DistributedExecutor:
         self._failure: WorkerError | None = None
         self._closed = False
         self._lock = threading.Lock()
+        # Control messages go out from the engine loop (batches) and the servers' threads (LoRA
+        # adapters added or removed): one at a time, each message's two sends together.
+        self._send_lock = threading.Lock()
         self._receiver: threading.Thread | None = None
+        # The LoRA adapters (``lora.DriverLoRA``), set by ``build_distributed_executor`` with
+        # enable_lora; the engine takes it as the in-process runner's ``lora_manager``.
+        self.lora_manager = None
         timeout = timedelta(seconds=parallel.startup_timeout)
         self._store = dist.TCPStore(parallel.master_addr, parallel.master_port,
                                     parallel.world_size, is_master=True, wait_for_workers=False,
@@ -122,7 +128,8 @@ class DistributedExecutor:
         receiver = self._receiver
         if self._failure is None and receiver is not None:
             try:
-                self._to_first.send(STOP)  # runs after the batches in flight, down the pipeline
+                with self._send_lock:  # runs after the batches in flight, down the pipeline
+                    self._to_first.send(STOP)
                 receiver.join(30.0)  # the last stage acknowledges STOP
             except Exception:  # noqa: BLE001  (a dead pipeline: the workers are killed below)
                 pass
@@ -205,14 +212,19 @@ class DistributedExecutor:
         self._fail(reason)
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
-        self._check()
-        try:
-            self._to_first.send(scheduler_output)
-        except Exception as exc:  # noqa: BLE001
-            self._lost(f"could not reach pipeline stage 0 ({_short(exc)})")
-            raise self._failure from exc
+        self.send_control(scheduler_output)
         self._in_flight += 1
         self.max_batches_in_flight = max(self.max_batches_in_flight, self._in_flight)
+
+    def send_control(self, message: SchedulerOutput | AddLoRA | RemoveLoRA) -> None:
+        """Send ``message`` down the pipeline, after every message sent before it."""
+        with self._send_lock:
+            self._check()
+            try:
+                self._to_first.send(message)
+            except Exception as exc:  # noqa: BLE001
+                self._lost(f"could not reach pipeline stage 0 ({_short(exc)})")
+                raise self._failure from exc
 
     def collect(self) -> RunnerOutput:
         while True:

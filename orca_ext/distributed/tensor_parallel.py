@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -161,7 +162,12 @@ class TPGroup:
 
 class RowParallelLinear(nn.Module):
     """``x`` holds this rank's slice of the input features; the partial products are summed
-    across the TP group (one all-reduce). TP rank 0 adds the bias and the residual."""
+    across the TP group (one all-reduce). TP rank 0 adds the bias and the residual. With LoRA,
+    each rank adds its adapter rows' delta from its slice of A (``lora/shard.py``) to its partial
+    product, before the sum."""
+
+    # Its LoRA adapter slots (``lora.layers.LinearLoRA``), set on an engine with enable_lora.
+    lora: Any = None
 
     def __init__(self, linear: nn.Module, group: TPGroup) -> None:
         super().__init__()
@@ -173,8 +179,12 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         residual = residual if self.group.index == 0 else None
-        return self.group.all_reduce(ops.packed_linear(x, self.weight, self.bias, "none",
-                                                       residual))
+        partial = ops.packed_linear(x, self.weight, self.bias, "none", residual)
+        if self.lora is not None and self.lora.batch.active:
+            batch = self.lora.batch
+            ops.lora_linear(partial, x, self.lora.a, self.lora.b_t, batch.scales,
+                            batch.cu_seg_lens, batch.seg_slots)
+        return self.group.all_reduce(partial)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -5,9 +5,10 @@
 
 It joins the driver's rendezvous (a TCPStore on the master address, as torchrun does), receives
 its ``WorkerSpec`` from the driver, builds its shard, reports, and then runs one batch per control
-message (a ``SchedulerOutput``, through the same ``ModelRunner`` steps as the in-process engine)
-until it gets ``STOP``. A stage leader (TP rank 0) receives each message from the previous
-hop, forwards it to the next stage at once (before computing), and broadcasts it to its TP peers.
+message (a ``SchedulerOutput``, through the same ``ModelRunner`` steps as the in-process engine;
+or a LoRA adapter to add or remove, of which it keeps its share) until it gets ``STOP``. A stage
+leader (TP rank 0) receives each message from the previous hop, forwards it to the next stage at
+once (before computing), and broadcasts it to its TP peers.
 A failure is written to the store (``orca/error/<rank>``) for the driver, and the process exits
 non-zero; its peers then fail on their closed connections, so no worker lingers.
 """
@@ -29,12 +30,14 @@ import torch.distributed as dist
 
 from ..batch import RunnerOutput, SchedulerOutput
 from ..kv import KVCache
+from ..lora.manager import LoRAManager
+from ..lora.shard import AdapterShard
 from ..model.dtypes import resolve_dtype
 from ..model.loader import load_model_info
 from ..runner import ModelRunner
 from .comm import Channel, Groups, build_groups
 from .config import Layout
-from .messages import STOP, WorkerSpec
+from .messages import STOP, AddLoRA, RemoveLoRA, WorkerSpec
 from .pipeline import cut_stage, stage_keeps
 from .sharded_load import build_meta_model, load_shards
 from .tensor_parallel import TPGroup, parallelize
@@ -67,8 +70,14 @@ class Worker:
                                     num_kv_heads=config.num_kv_heads // spec.tp,
                                     layer_types=config.layer_types[layers.start:layers.stop])
         kv_cache = KVCache(local, spec.num_blocks, spec.block_size, dtype, device)
+        self.lora = None
+        if spec.lora is not None:  # this worker's share of each adapter, read from its files
+            shard = AdapterShard(build_meta_model(config, dtype, "cpu"), layers, self.tp_rank,
+                                 spec.tp)
+            self.lora = LoRAManager(self.model, *spec.lora, shard=shard)
         # The in-process runner's input preparation and forward path, on this stage's layers.
-        self.runner = ModelRunner(self.model, kv_cache, cuda_graphs=False)
+        self.runner = ModelRunner(self.model, kv_cache, cuda_graphs=False,
+                                  lora_manager=self.lora)
         if self.leader:
             prev_hop = layout.DRIVER if self.first else layout.leader(self.stage - 1)
             next_hop = layout.DRIVER if self.last else layout.leader(self.stage + 1)
@@ -87,7 +96,12 @@ class Worker:
                 msg = self._next_message()
                 if isinstance(msg, str):  # STOP
                     break
-                self._step(msg)
+                if isinstance(msg, AddLoRA):
+                    self.lora.add(msg.request)
+                elif isinstance(msg, RemoveLoRA):
+                    self.lora.remove(msg.lora_int_id)
+                else:
+                    self._step(msg)
         for work, _ in self._sends:
             work.wait()
         if self.leader:
@@ -96,7 +110,7 @@ class Worker:
             for channel in [self.ctrl_out, *self.peers]:
                 channel.flush()
 
-    def _next_message(self) -> SchedulerOutput | str:
+    def _next_message(self) -> SchedulerOutput | AddLoRA | RemoveLoRA | str:
         if not self.leader:
             return self.from_leader.recv()
         msg = self.ctrl_in.recv()

@@ -1,7 +1,9 @@
 """The scheduler's view of the adapter slots: which adapter each of the ``max_loras`` slots holds
 and how many admitted requests use it. A request's adapter must hold a slot for it to run; a slot
 is given to another adapter only when no admitted request uses it (least recently used first),
-so the runner can load the new adapter's weights into it before the step that needs them."""
+so the runner can load the new adapter's weights into it before the step that needs them. Each
+load of an adapter also gets a number of its own (``load_token``), which the prefix cache keys its
+blocks by."""
 from __future__ import annotations
 
 import itertools
@@ -15,6 +17,8 @@ class LoRASlots:
         self._users = [0] * num_slots
         self._last_use = [0] * num_slots
         self._clock = itertools.count(1)
+        self._load_tokens: dict[int, int] = {}  # lora_int_id -> its current load's number
+        self._loads = itertools.count(1)
 
     def _slot_of(self, lora_int_id: int) -> int | None:
         try:
@@ -49,8 +53,16 @@ class LoRASlots:
             raise RuntimeError(f"LoRA slot {slot} released more often than acquired")
         self._users[slot] -= 1
 
+    def load_token(self, lora_int_id: int) -> int:
+        """A number unique to the current load of adapter ``lora_int_id``: after ``forget``, the
+        id (reused, perhaps, for another adapter) gets a new one, so the prefix cache's blocks
+        of the unloaded adapter are never hit again."""
+        return self._load_tokens.setdefault(lora_int_id, next(self._loads))
+
     def forget(self, lora_int_id: int) -> None:
-        """An unloaded adapter: its slot, once unused, no longer counts as holding it."""
+        """An unloaded adapter: its slot, once unused, no longer counts as holding it, and its
+        next load gets a new ``load_token``."""
+        self._load_tokens.pop(lora_int_id, None)
         slot = self._slot_of(lora_int_id)
         if slot is not None and self._users[slot] == 0:
             self._adapter[slot] = 0

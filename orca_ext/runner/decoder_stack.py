@@ -108,18 +108,22 @@ def stack_forward(model: Decoder, stack: torch.ScriptObject, input_ids: torch.Te
     """``model(input_ids, positions, kv_cache, meta)`` with the blocks run by ``stack`` (on a
     tensor-parallel rank of ``group``: half-layer by half-layer, each sum all-reduced, then a
     post-norm block's norm and residual add applied as its per-op forward applies them);
-    ``lora_slots`` (int32 [B]) adds each request's adapter delta (``set_stack_lora`` first)."""
+    ``lora_slots`` (int32 [B]) adds each request's adapter delta (``set_stack_lora`` first; a
+    tensor-parallel rank adds its share's delta to its partial sums)."""
     x, rotary = model.embed_inputs(input_ids, positions)
     cos, sin = (None, None) if rotary is None else (rotary[0], rotary[1])
     args = (kv_cache.keys, kv_cache.values, meta.cu_q_lens, meta.context_lens, meta.block_table,
             meta.slot_mapping, cos, sin)
-    if lora_slots is not None:
-        return stack.forward_lora(x, *args, lora_slots)
     if group is None:
-        return stack.forward(x, *args)
+        return stack.forward(x, *args) if lora_slots is None else \
+            stack.forward_lora(x, *args, lora_slots)
     post_norms = model.spec.block.post_norms
     for step in range(2 * stack.num_layers()):
-        partial = stack.forward_partial(x, *args, step, group.index == 0 and not post_norms)
+        add_residual = group.index == 0 and not post_norms
+        if lora_slots is None:
+            partial = stack.forward_partial(x, *args, step, add_residual)
+        else:
+            partial = stack.forward_partial_lora(x, *args, step, add_residual, lora_slots)
         summed = group.all_reduce(partial)
         if post_norms:
             block = model.layers[step // 2]

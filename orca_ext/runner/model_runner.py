@@ -116,7 +116,7 @@ class ModelRunner:
         fits_stack = self.stack is not None and inputs.num_tokens <= self.stack_max_tokens
         if inputs.lora_slots is not None and fits_stack:
             return stack_forward(self.model, self.stack, inputs.input_ids, inputs.positions,
-                                 self.kv_cache, inputs.meta, lora_slots=inputs.lora_slots)
+                                 self.kv_cache, inputs.meta, self.tp_group, inputs.lora_slots)
         if inputs.lora_slots is not None:
             self.lora_manager.set_step(inputs.meta.cu_q_lens, inputs.lora_slots)
             try:
