@@ -10,7 +10,7 @@ amx_int8), as in the tests.
 
 Memory: the bytes of the model's parameters and buffers, and the process's RSS growth over the
 load (which also holds what the loader parsed and the allocator kept). Greedy: 32 chat
-questions through the file's chat template, ``--max-tokens`` each, the stored formats at each
+questions through the file's chat template (as plain text for a model without one), ``--max-tokens`` each, the stored formats at each
 ``--batch-sizes`` (1: one request at a time, the 1-2 token kernels) against the float32 weights. Decode: one request of a short prompt, ``--decode-tokens`` tokens with EOS off,
 after one warm-up request.
 """
@@ -98,8 +98,11 @@ def main() -> int:
     runs = [("stored", native, b) for b in args.batch_sizes] + [("float32", dequantized, 8)]
     for name, loaded, batch_size in runs:
         llm = LLM(loaded, max_batch_size=batch_size)
-        answers[name, batch_size] = [list(c.outputs[0].token_ids)
-                                     for c in llm.chat(chats, params, use_tqdm=False)]
+        # A base model without a chat template (Gemma 3 270M) continues the questions as text.
+        outputs = (llm.chat(chats, params, use_tqdm=False)
+                   if loaded.info.chat_template is not None
+                   else llm.generate(QUESTIONS, params, use_tqdm=False))
+        answers[name, batch_size] = [list(c.outputs[0].token_ids) for c in outputs]
         if name not in rates:
             rates[name] = decode_rate(llm, args.decode_tokens)
         del llm
