@@ -10,9 +10,10 @@ amx_int8), as in the tests.
 
 Memory: the bytes of the model's parameters and buffers, and the process's RSS growth over the
 load (which also holds what the loader parsed and the allocator kept). Greedy: 32 chat
-questions through the file's chat template (as plain text for a model without one), ``--max-tokens`` each, the stored formats at each
-``--batch-sizes`` (1: one request at a time, the 1-2 token kernels) against the float32 weights. Decode: one request of a short prompt, ``--decode-tokens`` tokens with EOS off,
-after one warm-up request.
+questions through the file's chat template (as plain text for a model without one),
+``--max-tokens`` each, the stored formats at each ``--batch-sizes`` (1: one request at a time,
+the 1-2 token kernels) against the float32 weights. Decode: one request of a short prompt,
+``--decode-tokens`` tokens with EOS off, after one warm-up request.
 """
 from __future__ import annotations
 
