@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import envs
 from .tokenizer import Tokenizer, byte_level_tokenizer
 
 EOS_TOKEN = "<|endoftext|>"
@@ -88,8 +89,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 def cache_dir() -> Path:
     """Where files made once are kept: ``$XDG_CACHE_HOME/orca_ext``, by default
     ``~/.cache/orca_ext``."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "orca_ext"
+    return envs.XDG_CACHE_HOME / "orca_ext"
 
 
 def builtin_gguf_path(name: str) -> Path:
