@@ -19,7 +19,6 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -36,17 +35,6 @@ CASES: list[tuple[str, str, bool, Case]] = []  # (name, what it covers, small, r
 
 def case(name: str, what: str, run: Case, small: bool = True) -> None:
     CASES.append((name, what, small, run))
-
-
-def with_env(test: Callable[..., None], *args) -> Case:
-    """A test that takes pytest's monkeypatch (to set ORCA_* variables), run outside pytest."""
-    def run() -> None:
-        patch = pytest.MonkeyPatch()
-        try:
-            test(patch, *args)
-        finally:
-            patch.undo()
-    return run
 
 
 def each(*runs: Case) -> Case:
@@ -70,10 +58,10 @@ case("attn-tc-head-dims", "head dims 32 / 80 / 96, MQA, MHA, block sizes 5 / 1 /
      each(lambda: attention(BF16, 32, "mixed", (8, 1), 5),
           lambda: attention(FP16, 80, "mixed", (4, 4), 1),
           lambda: attention(BF16, 96, "decode", (8, 2), 16)))
-case("attn-split-vs-unsplit", "split vs ORCA_ATTN_MAX_SPLITS=1 vs ORCA_ATTN_MAX_CTAS=2",
-     with_env(tc.test_attention_forced_split_no_split_and_capped_grid_agree))
-case("attn-capped-grid", "ORCA_ATTN_MAX_CTAS=2: many items per CTA, the same bits",
-     with_env(tc.test_attention_capped_grid_is_bitwise_the_same, "mixed", 2))
+case("attn-split-vs-unsplit", "split vs attn_max_splits=1 vs attn_max_ctas=2",
+     tc.test_attention_forced_split_no_split_and_capped_grid_agree)
+case("attn-capped-grid", "attn_max_ctas=2: many items per CTA, the same bits",
+     lambda: tc.test_attention_capped_grid_is_bitwise_the_same("mixed", 2))
 case("attn-simple", "simple kernel: fp32, and bf16 at head dims 40 / 256",
      each(lambda: tc.test_attention_other_head_dims(FP32, 40),
           lambda: tc.test_attention_other_head_dims(BF16, 256)))
@@ -115,8 +103,8 @@ case("linear-skinny", "skinny kernel (T <= 8), every activation, bf16 and fp32",
           *(lambda a=a: linear(FP32, a, 8, 256) for a in ACTIVATIONS)))
 case("linear-cublaslt", "cuBLASLt with fused epilogues (T = 64), every activation, fp16",
      each(*(lambda a=a: linear(FP16, a, 64, 256) for a in ACTIVATIONS)))
-case("linear-no-epilogue", "ORCA_LINEAR_NO_EPILOGUE=1: plain GEMM + bias/activation kernel",
-     each(*(with_env(tc.test_packed_linear_without_cublaslt_epilogue, BF16, a)
+case("linear-no-epilogue", "linear_no_epilogue: plain GEMM + bias/activation kernel",
+     each(*(lambda a=a: tc.test_packed_linear_without_cublaslt_epilogue(BF16, a)
             for a in ACTIVATIONS)))
 case("linear-odd-k", "K not a multiple of 8: cuBLASLt at any T",
      each(lambda: linear(FP16, "gelu_tanh", 3, 100), lambda: linear(BF16, "silu_and_mul", 9, 100)))

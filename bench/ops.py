@@ -14,7 +14,7 @@ bench/ops_cuda.py run.
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
 import random
 import sys
 from pathlib import Path
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import row, time_fn  # noqa: E402
 
 from orca_ext import _C, ops  # noqa: E402
-from orca_ext.testing import RaggedBatch, random_ragged_batch  # noqa: E402
+from orca_ext.testing import RaggedBatch, forced_isa, random_ragged_batch  # noqa: E402
 
 
 def bench_linear(device: str) -> None:
@@ -159,13 +159,11 @@ def bench_flash(device: str) -> None:
                             device)
             flops = 2 * 2 * T * T * 64 * 12 / 2  # Q.K and P.V over the causal half
             for isa in isas:
-                if isa is not None:
-                    os.environ["ORCA_ATTENTION_ISA"] = isa
-                ours = time_fn(lambda: ops.ragged_attention(*batch.args()), device)
+                with forced_isa("attention", isa) if isa else contextlib.nullcontext():
+                    ours = time_fn(lambda: ops.ragged_attention(*batch.args()), device)
                 name = f"{str(dtype).split('.')[1]} T={T}" + (f" [{isa}]" if isa else "")
                 print(row(name, ours, flash, "flash") +
                       f"   {flops / ours / 1e9:4.0f} / {flops / flash / 1e9:4.0f} GFLOP/s")
-            os.environ.pop("ORCA_ATTENTION_ISA", None)
 
 
 def main() -> None:

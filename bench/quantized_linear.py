@@ -12,7 +12,6 @@ ORCA_QUANT_ISA=portable|avx2|avx512|avx512_vnni|amx_int8 forces the quantized ke
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -48,7 +47,7 @@ def main() -> None:
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
     parser.add_argument("--seconds", type=float, default=0.2, help="minimum timing per case")
     args = parser.parse_args()
-    isa = os.environ.get("ORCA_QUANT_ISA") or _C.quant_isas()[-1]
+    isa = _C.get_isa("quant")
     print(f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"quantized kernels: {isa}")
     print(f"{'layer':<8} {'N x K':>12} {'T':>4} {'dtype':<9}"

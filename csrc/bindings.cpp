@@ -5,16 +5,12 @@
 
 #include <cmath>
 
+#include "cpu/isa_choice.h"
 #include "kv/metadata.h"
 #include "kv/slot_allocator.h"
-#include "orca/cpu/quant_linear.h"
-
-namespace orca {
-// ragged_attention.cpp (built for the kernels' target): the ORCA_ATTENTION_ISA names it runs.
-std::vector<std::string> attention_isa_names();
-// lora_linear.cpp: the ORCA_LORA_ISA names this CPU runs.
-std::vector<std::string> lora_isa_names();
-}  // namespace orca
+#if ORCA_EXT_HAS_CUDA
+#include "cuda/test_limits.h"
+#endif
 
 namespace py = pybind11;
 using orca::kv::SlotAllocator;
@@ -60,6 +56,16 @@ py::tuple allocator_metadata(const SlotAllocator& alloc, const std::vector<int64
   block_ids.reserve(request_ids.size());
   for (const int64_t id : request_ids) block_ids.push_back(alloc.blocks(id));
   return build_metadata(block_ids, num_computed, num_new, alloc.block_size());
+}
+
+// A call into the ops' C++ with its TORCH_CHECK failures raised as ValueError (a bad argument).
+template <typename F>
+auto value_errors(const F& f) {
+  try {
+    return f();
+  } catch (const c10::Error& e) {
+    throw py::value_error(e.what_without_backtrace());
+  }
 }
 
 // Each row's argmax of float32 logits [rows, vocab] on the CPU, as torch.argmax gives it (the
@@ -167,18 +173,39 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_new"), py::arg("block_size"),
         "(cu_q_lens, context_lens, block_table, slot_mapping, positions) for one iteration, "
         "from each request's block ids");
-  m.def("quant_isas", [] {
-        std::vector<std::string> names;
-        for (const auto& [name, isa] : orca::cpu::quant::kIsaNames) {
-          if (orca::cpu::quant::isa_supported(isa)) names.emplace_back(name);
-        }
-        return names;
-      }, "The paths of quantized_linear's kernels this CPU runs, by their ORCA_QUANT_ISA names");
-  m.def("attention_isas", &orca::attention_isa_names,
+  m.def("quant_isas", [] { return orca::isa_names("quant"); },
+        "The paths of quantized_linear's kernels this CPU runs, by their ORCA_QUANT_ISA names");
+  m.def("attention_isas", [] { return orca::isa_names("attention"); },
         "The paths of ragged_attention's prefill-like bfloat16 kernels this build and CPU run, "
         "by their ORCA_ATTENTION_ISA names");
-  m.def("lora_isas", &orca::lora_isa_names,
+  m.def("lora_isas", [] { return orca::isa_names("lora"); },
         "The paths of lora_linear's kernels this CPU runs, by their ORCA_LORA_ISA names");
+  m.def("set_isa", [](const std::string& kind, const std::string& name) {
+        value_errors([&] { orca::set_isa(kind, name); });
+      }, py::arg("kind"), py::arg("name"),
+      "Run the kernels of kind 'quant', 'attention' or 'lora' on path `name` (one of "
+      "quant_isas() / attention_isas() / lora_isas()) from now on, in this process; '' goes "
+      "back to the default (the ORCA_*_ISA variable read at load, else the best path)");
+  m.def("get_isa", [](const std::string& kind) {
+        return value_errors([&] { return orca::get_isa(kind); });
+      }, py::arg("kind"), "The path the kernels of kind 'quant', 'attention' or 'lora' run now");
+#if ORCA_EXT_HAS_CUDA
+  m.def("_set_cuda_test_limits", [](int64_t attn_max_ctas, int64_t attn_max_splits,
+                                    bool linear_no_epilogue) {
+        if (attn_max_ctas < 0 || attn_max_splits < 0 || attn_max_splits > INT32_MAX) {
+          throw py::value_error("attn_max_ctas and attn_max_splits must be non-negative "
+                                "(0: no cap), got " + std::to_string(attn_max_ctas) + " and " +
+                                std::to_string(attn_max_splits));
+        }
+        auto& limits = orca::cuda::test_limits();
+        limits.attn_max_ctas = attn_max_ctas;
+        limits.attn_max_splits = attn_max_splits;
+        limits.linear_no_epilogue = linear_no_epilogue;
+      }, py::arg("attn_max_ctas") = 0, py::arg("attn_max_splits") = 0,
+      py::arg("linear_no_epilogue") = false,
+      "Tests only: cap the CUDA attention's grid and KV splits, run packed_linear without "
+      "cuBLASLt's epilogue (all off by default; orca_ext.testing.cuda_test_limits)");
+#endif
   m.def("argmax_rows", &argmax_rows, py::arg("logits"),
         "Each row's argmax of float32 CPU logits [rows, vocab] (as torch.argmax), as a list");
 }

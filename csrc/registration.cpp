@@ -18,8 +18,13 @@ TORCH_LIBRARY(orca, m) {
         "Tensor");
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()");
+  // One step's checked metadata and attention work items (CPU), for every layer's
+  // ragged_attention of that window: FlashInfer's plan / run.
+  m.def("plan_attention(Tensor q, Tensor k_cache, Tensor cu_q_lens, Tensor context_lens, "
+        "Tensor block_table, int window=0) -> Tensor");
   m.def("ragged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_q_lens, "
-        "Tensor context_lens, Tensor block_table, float scale, int window=0) -> Tensor");
+        "Tensor context_lens, Tensor block_table, float scale, int window=0, "
+        "Tensor? plan=None) -> Tensor");
   m.def("lora_linear(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor scales, "
         "Tensor cu_seg_lens, Tensor seg_slots) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual=None) -> Tensor");

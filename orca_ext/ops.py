@@ -53,9 +53,23 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     torch.ops.orca.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
+def plan_attention(q: torch.Tensor, k_cache: torch.Tensor, cu_q_lens: torch.Tensor,
+                   context_lens: torch.Tensor, block_table: torch.Tensor,
+                   window: int = 0) -> torch.Tensor:
+    """One step's attention plan on the CPU (FlashInfer's plan / run): the metadata's values
+    checked, the batch cut into work items and the kernel path chosen, once, for every layer's
+    ``ragged_attention(..., window, plan=...)`` of that step. The arguments are those of
+    ``ragged_attention`` (``q`` and ``k_cache`` for their shapes and dtypes); the plan is an
+    opaque uint8 tensor, refused by a call whose shapes, dtype, window or metadata values are
+    not the ones it was made for."""
+    return torch.ops.orca.plan_attention(q, k_cache, cu_q_lens, context_lens, block_table,
+                                         window)
+
+
 def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cu_q_lens: torch.Tensor, context_lens: torch.Tensor,
-                     block_table: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                     block_table: torch.Tensor, scale: float, window: int = 0,
+                     plan: torch.Tensor | None = None) -> torch.Tensor:
     """Split-and-merge causal attention of packed queries ``q [T, Hq, D]`` over paged KV.
 
     Request ``r`` owns query rows ``cu_q_lens[r]:cu_q_lens[r+1]``; its query ``i`` sits at
@@ -69,11 +83,15 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     On CPU, bfloat16 prefill-like rows run the best kernel path this build and CPU have
     (``orca_ext._C.attention_isas()`` lists them: AMX tiles where the CPU has AMX-BF16 and the
-    OS grants tile data, else AVX512-BF16 pair dot products); the environment variable
-    ``ORCA_ATTENTION_ISA=portable|avx512bf16|amx`` forces one.
+    OS grants tile data, else AVX512-BF16 pair dot products); ``ORCA_ATTENTION_ISA=
+    portable|avx512bf16|amx`` at load, or ``orca_ext._C.set_isa("attention", name)``, forces one.
+
+    ``plan`` (CPU): this step's ``plan_attention`` for the same arguments, which spares each
+    layer the metadata checks and the planning; without it the call plans for itself. On CUDA
+    the op plans from shapes alone and ``plan`` must be None.
     """
     return torch.ops.orca.ragged_attention(q, k_cache, v_cache, cu_q_lens, context_lens,
-                                           block_table, scale, window)
+                                           block_table, scale, window, plan)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -109,8 +127,15 @@ def _store_kv_fake(key, value, k_cache, v_cache, slot_mapping):
 
 @torch.library.register_fake("orca::ragged_attention")
 def _ragged_attention_fake(q, k_cache, v_cache, cu_q_lens, context_lens, block_table, scale,
-                           window=0):
+                           window=0, plan=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("orca::plan_attention")
+def _plan_attention_fake(q, k_cache, cu_q_lens, context_lens, block_table, window=0):
+    # Its size depends on the metadata's values.
+    size = torch.library.get_ctx().new_dynamic_size()
+    return cu_q_lens.new_empty((size,), dtype=torch.uint8)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
@@ -146,11 +171,12 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, format: str, in_fea
     or bfloat16 and the output is in its dtype; bias, activation, residual and norm as in
     ``packed_linear`` (CPU only).
 
-    The kernels' ISA is the best this CPU runs (``orca_ext._C.quant_isas()`` lists them); the
-    environment variable ``ORCA_QUANT_ISA=portable|avx2|avx512|avx512_vnni|amx_int8`` forces
-    one. For ``q8_0``, ``q4_0`` and ``q4_1``, ``avx512_vnni`` and ``amx_int8`` split the
-    activations of up to 2 tokens into two int8 parts per block of 32 (llama.cpp's one int8
-    rounding plus its remainder: within ``max |x| / 65024`` of the block, finer than bfloat16);
+    The kernels' ISA is the best this CPU runs (``orca_ext._C.quant_isas()`` lists them);
+    ``ORCA_QUANT_ISA=portable|avx2|avx512|avx512_vnni|amx_int8`` at load, or
+    ``orca_ext._C.set_isa("quant", name)``, forces one. For ``q8_0``, ``q4_0`` and ``q4_1``,
+    ``avx512_vnni`` and ``amx_int8`` split the activations of up to 2 tokens into two int8 parts
+    per block of 32 (llama.cpp's one int8 rounding plus its remainder: within
+    ``max |x| / 65024`` of the block, finer than bfloat16);
     the other paths use them as given, and so do they with ``int8_activations=False`` (the
     models' output heads, whose near-tied logits any rounding may flip). From 3 tokens
     ``amx_int8`` (the default where the CPU has AMX) multiplies on AMX tiles the activations
@@ -198,7 +224,8 @@ def lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     (from 0 to T), ``seg_slots`` int32 ``[S]``. A slot's unused ranks are zero rows.
 
     On CPU the kernel's ISA is the best this CPU runs (``orca_ext._C.lora_isas()``);
-    ``ORCA_LORA_ISA=portable|avx2|avx512`` forces one.
+    ``ORCA_LORA_ISA=portable|avx2|avx512`` at load, or ``orca_ext._C.set_isa("lora", name)``,
+    forces one.
     """
     torch.ops.orca.lora_linear(y, x, lora_a, lora_b, scales, cu_seg_lens, seg_slots)
 

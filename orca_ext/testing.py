@@ -1,9 +1,37 @@
-"""Random ragged paged batches, for tests and benchmarks of the attention ops."""
+"""Random ragged paged batches and kernel-path overrides, for tests and benchmarks of the ops."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from . import _C
+
+
+@contextmanager
+def forced_isa(kind: str, name: str) -> Iterator[None]:
+    """Run the kernels of ``kind`` ('quant', 'attention', 'lora') on path ``name`` inside the
+    block, then go back to the process's default path."""
+    _C.set_isa(kind, name)
+    try:
+        yield
+    finally:
+        _C.set_isa(kind, "")
+
+
+@contextmanager
+def cuda_test_limits(attn_max_ctas: int = 0, attn_max_splits: int = 0,
+                     linear_no_epilogue: bool = False) -> Iterator[None]:
+    """Inside the block, cap the CUDA attention's tensor-core grid (CTAs per KV head) and KV
+    splits (0: no cap), and run packed_linear without cuBLASLt's epilogue: paths a small test
+    on a large GPU would not take otherwise."""
+    _C._set_cuda_test_limits(attn_max_ctas, attn_max_splits, linear_no_epilogue)
+    try:
+        yield
+    finally:
+        _C._set_cuda_test_limits()
 
 
 @dataclass

@@ -1,7 +1,10 @@
+from contextlib import ExitStack
+
 import pytest
 import torch
 
 import orca_ext
+from orca_ext.testing import forced_isa
 
 DEVICES = [
     "cpu",
@@ -14,6 +17,14 @@ DEVICES = [
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
     return request.param
+
+
+@pytest.fixture
+def force_isa():
+    """force_isa(kind, name): kernels of kind 'quant' / 'attention' / 'lora' on path name for
+    the rest of the test (``orca_ext._C.set_isa``; the default comes back after it)."""
+    with ExitStack() as stack:
+        yield lambda kind, name: stack.enter_context(forced_isa(kind, name))
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 The device-parametrized reference tests are in test_ops.py; these add what only the CUDA path
 has: the tensor-core attention kernels (bf16/fp16, every supported head dim, decode / prefill /
 split-KV work partitions), batches that give each CTA many work items (B = 512, a grid capped
-by ORCA_ATTN_MAX_CTAS, B at the kernel's limit), a 4096-token prefill, a KV cache past 2^31
+by cuda_test_limits, B at the kernel's limit), a 4096-token prefill, a KV cache past 2^31
 elements, bitwise repeatability and partition invariance, the skinny and cuBLASLt linear paths
 and the cuBLASLt-less fallback, launches from several host threads, opcheck on CUDA, memory
 safety with invalid metadata, a decode step (packed_linear -> store_kv -> ragged_attention)
@@ -24,7 +24,7 @@ from orca_ext.kv import KVCache, SlotAllocator
 from orca_ext.model import load_model
 from orca_ext.runner import ModelRunner
 from orca_ext.sampling_params import SamplingParams
-from orca_ext.testing import random_ragged_batch
+from orca_ext.testing import cuda_test_limits, random_ragged_batch
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and orca_ext.has_cuda()),
@@ -186,40 +186,45 @@ def test_attention_prefill_4096_tokens():
 
 @pytest.mark.parametrize("mix", ["decode", "prefill", "mixed", "long-decode", "long-prefill"])
 @pytest.mark.parametrize("cap", [1, 2, 5])
-def test_attention_capped_grid_is_bitwise_the_same(monkeypatch, mix, cap):
-    """ORCA_ATTN_MAX_CTAS makes a few CTAs loop over every item: the same items run in another
-    order on other CTAs, which must not change a bit (each item is computed by one CTA alone)."""
+def test_attention_capped_grid_is_bitwise_the_same(mix, cap):
+    """A capped grid (attn_max_ctas) makes a few CTAs loop over every item: the same items run
+    in another order on other CTAs, which must not change a bit (each item is computed by one
+    CTA alone)."""
     batch = random_ragged_batch(*MIXES[mix], 8, 2, 64, 16, dtype=torch.bfloat16, device="cuda")
     free = attend(batch)
-    monkeypatch.setenv("ORCA_ATTN_MAX_CTAS", str(cap))
-    assert torch.equal(attend(batch), free)
+    with cuda_test_limits(attn_max_ctas=cap):
+        assert torch.equal(attend(batch), free)
     assert_close(free, reference(batch), torch.bfloat16)
 
 
-def test_attention_forced_split_no_split_and_capped_grid_agree(monkeypatch):
-    """Long contexts in a small batch split KV (partials + merge); ORCA_ATTN_MAX_SPLITS=1 runs
-    them unsplit and ORCA_ATTN_MAX_CTAS=2 on two CTAs per KV head: all three match the
-    reference, and the capped grid matches the split run bit for bit."""
+def test_attention_forced_split_no_split_and_capped_grid_agree():
+    """Long contexts in a small batch split KV (partials + merge); attn_max_splits=1 runs them
+    unsplit and attn_max_ctas=2 on two CTAs per KV head: all three match the reference, and
+    the capped grid matches the split run bit for bit."""
     batch = random_ragged_batch([1, 1, 5, 1], [3000, 2100, 1500, 700], 8, 2, 128, 16,
                                 dtype=torch.bfloat16, device="cuda", seed=5)
     expected = reference(batch)
     split = attend(batch)
-    monkeypatch.setenv("ORCA_ATTN_MAX_SPLITS", "1")
-    unsplit = attend(batch)
-    monkeypatch.delenv("ORCA_ATTN_MAX_SPLITS")
-    monkeypatch.setenv("ORCA_ATTN_MAX_CTAS", "2")
-    capped = attend(batch)
+    with cuda_test_limits(attn_max_splits=1):
+        unsplit = attend(batch)
+    with cuda_test_limits(attn_max_ctas=2):
+        capped = attend(batch)
     for out in (split, unsplit, capped):
         assert_close(out, expected, torch.bfloat16)
     assert torch.equal(capped, split)
     assert not torch.equal(unsplit, split)  # different sums: the split path really ran
 
 
-def test_attention_bad_debug_cap_is_an_error(monkeypatch):
-    batch = random_ragged_batch([1], [10], 4, 2, 64, 16, dtype=torch.bfloat16, device="cuda")
-    monkeypatch.setenv("ORCA_ATTN_MAX_CTAS", "two")
-    with pytest.raises(RuntimeError, match="ORCA_ATTN_MAX_CTAS must be a non-negative integer"):
-        ops.ragged_attention(*batch.args())
+def test_attention_bad_test_cap_and_cpu_plan_are_errors():
+    with pytest.raises(ValueError, match="attn_max_ctas and attn_max_splits must be "
+                                         "non-negative"):
+        orca_ext._C._set_cuda_test_limits(attn_max_ctas=-1)
+    batch = random_ragged_batch([1], [10], 4, 2, 64, 16, dtype=torch.bfloat16)
+    plan = ops.plan_attention(batch.q, batch.k_cache, batch.cu_q_lens, batch.context_lens,
+                              batch.block_table)
+    args = [t.cuda() if isinstance(t, torch.Tensor) else t for t in batch.args()]
+    with pytest.raises(RuntimeError, match="on CUDA the op plans from shapes alone"):
+        ops.ragged_attention(*args, plan=plan)
 
 
 @pytest.mark.parametrize("mix", ["decode", "mixed", "long-decode", "long-prefill"])
@@ -303,16 +308,16 @@ def test_packed_linear_paths(dtype, activation, T, K):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("activation", ops.ACTIVATIONS)
-def test_packed_linear_without_cublaslt_epilogue(monkeypatch, dtype, activation):
-    """ORCA_LINEAR_NO_EPILOGUE=1 forces the path taken when cuBLASLt has no algorithm for an
+def test_packed_linear_without_cublaslt_epilogue(dtype, activation):
+    """linear_no_epilogue forces the path taken when cuBLASLt has no algorithm for an
     epilogue: a plain GEMM, then the elementwise bias + activation kernel."""
-    monkeypatch.setenv("ORCA_LINEAR_NO_EPILOGUE", "1")
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(64, 256, generator=gen).to(dtype).cuda()
     w = (torch.randn(192, 256, generator=gen) / 16).to(dtype).cuda()
     b = torch.randn(192, generator=gen).to(dtype).cuda()
     for bias in (None, b):
-        out = ops.packed_linear(x, w, bias, activation)
+        with cuda_test_limits(linear_no_epilogue=True):
+            out = ops.packed_linear(x, w, bias, activation)
         expected = ref.packed_linear(x.cpu(), w.cpu(), None if bias is None else bias.cpu(),
                                      activation)
         assert_close(out, expected, dtype)

@@ -64,10 +64,10 @@ ATTENTION_ISAS = ["portable", "avx512bf16", "amx"]
 
 
 @pytest.fixture(params=ATTENTION_ISAS)
-def attention_isa(request, monkeypatch) -> str:
+def attention_isa(request, force_isa) -> str:
     if request.param not in _C.attention_isas():
         pytest.skip(f"this build or CPU does not run the {request.param} attention path")
-    monkeypatch.setenv("ORCA_ATTENTION_ISA", request.param)
+    force_isa("attention", request.param)
     return request.param
 
 

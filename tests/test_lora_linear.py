@@ -5,16 +5,17 @@ import torch
 
 import reference_ops as ref
 from orca_ext import _C, ops
+from orca_ext.testing import forced_isa
 
 ISAS = ["portable", "avx2", "avx512"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(params=ISAS)
-def isa(request, monkeypatch) -> str:
+def isa(request, force_isa) -> str:
     if request.param not in _C.lora_isas():
         pytest.skip(f"this CPU does not run the {request.param} path")
-    monkeypatch.setenv("ORCA_LORA_ISA", request.param)
+    force_isa("lora", request.param)
     return request.param
 
 
@@ -64,8 +65,7 @@ def test_lora_linear_isas_agree_closely():
     expected = ref.lora_linear(y, x, a, b, scales, cu, slots)
     for name in _C.lora_isas():
         out = y.clone()
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("ORCA_LORA_ISA", name)
+        with forced_isa("lora", name):
             ops.lora_linear(out, x, a, b, scales, cu, slots)
         assert torch.allclose(out.double(), expected, atol=1e-4, rtol=1e-5), name
 

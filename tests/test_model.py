@@ -6,8 +6,10 @@ import logging
 import pytest
 import torch
 
+from orca_ext import ops
 from orca_ext.batch import SchedulerOutput
-from orca_ext.kv import KVCache, SlotAllocator, kv_bytes_per_block, num_kv_blocks
+from orca_ext.kv import (KVCache, SlotAllocator, build_metadata, kv_bytes_per_block,
+                         num_kv_blocks)
 from orca_ext.model import AttentionMetadata, load_model
 from orca_ext.runner import ModelRunner
 from orca_ext.sampling_params import SamplingParams
@@ -149,7 +151,22 @@ def test_greedy_generation_matches_transformers(hf_model, device):
         assert output == expected[0, len(prompt):].tolist()
 
 
-def test_runner_skips_unsampled_and_empty_batches():
+def test_layers_share_their_step_s_attention_plan(monkeypatch):
+    """One plan_attention per step (and window) on the CPU; every layer's attention takes it."""
+    loaded = load_model("orca-tiny")
+    calls = []
+    plan_attention = ops.plan_attention
+    monkeypatch.setattr(ops, "plan_attention", lambda *args: calls.append(args) or
+                        plan_attention(*args))
+    kv_cache = KVCache(loaded.config, 8, 16, torch.float32)
+    for step in range(2):
+        cu, ctx, table, slots, positions = build_metadata([[0, 1]], [10 * step], [10], 16)
+        meta = AttentionMetadata(cu, ctx, table, slots)
+        with torch.inference_mode():
+            loaded.model(torch.arange(10), positions, kv_cache, meta)
+        assert len(calls) == step + 1 and len(meta.plans) == 1
+    assert loaded.config.num_layers > 1
+
     loaded = load_model("orca-tiny")
     runner = ModelRunner(loaded.model, KVCache(loaded.config, 8, 4, torch.float32))
     empty = runner.execute(SchedulerOutput(0, []))

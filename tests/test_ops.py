@@ -279,10 +279,10 @@ ISA_MIXES = {
 
 
 @pytest.fixture(params=ATTENTION_ISAS)
-def attention_isa(request, monkeypatch) -> str:
+def attention_isa(request, force_isa) -> str:
     if request.param not in _C.attention_isas():
         pytest.skip(f"this build or CPU does not run the {request.param} attention path")
-    monkeypatch.setenv("ORCA_ATTENTION_ISA", request.param)
+    force_isa("attention", request.param)
     return request.param
 
 
@@ -317,19 +317,78 @@ def test_ragged_attention_isa_window(attention_isa, window, mix, head_dim):
     assert_close(out, ref.ragged_attention(*batch.args(), window), torch.bfloat16)
 
 
-def test_ragged_attention_isa_errors(monkeypatch):
-    batch = random_ragged_batch([20], [20], 4, 4, 64, 16, dtype=torch.bfloat16)
-    monkeypatch.setenv("ORCA_ATTENTION_ISA", "sse9")
-    with pytest.raises(RuntimeError, match="ORCA_ATTENTION_ISA must be one of 'portable', "
-                                           "'avx512bf16', 'amx', got 'sse9'"):
-        ops.ragged_attention(*batch.args())
+def test_ragged_attention_isa_errors():
+    with pytest.raises(ValueError, match="attention ISA must be one of 'portable', "
+                                         "'avx512bf16', 'amx', got 'sse9'"):
+        _C.set_isa("attention", "sse9")
     assert _C.attention_isas()[0] == "portable"
     for name in ATTENTION_ISAS:
         if name in _C.attention_isas():
             continue
-        monkeypatch.setenv("ORCA_ATTENTION_ISA", name)
-        with pytest.raises(RuntimeError, match=f"ORCA_ATTENTION_ISA={name} but this build"):
-            ops.ragged_attention(*batch.args())
+        with pytest.raises(ValueError, match=f"attention ISA '{name}' is a path this build"):
+            _C.set_isa("attention", name)
+
+
+# ---------------------------------------------------------------------- plan_attention (CPU)
+
+def plan_for(batch, window: int = 0) -> torch.Tensor:
+    return ops.plan_attention(batch.q, batch.k_cache, batch.cu_q_lens, batch.context_lens,
+                              batch.block_table, window)
+
+
+@pytest.mark.parametrize("mix", list(ISA_MIXES))
+@pytest.mark.parametrize("window", [0, 100])
+def test_step_plan_gives_the_op_s_own_bits(attention_isa, mix, window):
+    """One plan serves every layer of a step: the same items as a call's own plan, so the
+    same bits, on each kernel path; and the layers' other tensors (q, the caches) may differ."""
+    batch = random_ragged_batch(*ISA_MIXES[mix], 9, 3, 64, 16, dtype=torch.bfloat16)
+    plan = plan_for(batch, window)
+    for layer in range(2):
+        q = batch.q if layer == 0 else torch.randn_like(batch.q)
+        k, v = (batch.k_cache, batch.v_cache) if layer == 0 else (batch.v_cache, batch.k_cache)
+        args = (q, k, v, *batch.args()[3:])
+        assert torch.equal(ops.ragged_attention(*args, window, plan),
+                           ops.ragged_attention(*args, window))
+    assert_close(ops.ragged_attention(*batch.args(), window, plan),
+                 ref.ragged_attention(*batch.args(), window), torch.bfloat16)
+
+
+def test_step_plan_keeps_the_path_it_was_made_with(force_isa):
+    """The kernel path is chosen when the step is planned, not by each layer's call."""
+    batch = random_ragged_batch([300, 1], [300, 40], 8, 2, 64, 16, dtype=torch.bfloat16)
+    force_isa("attention", "portable")
+    plan = plan_for(batch)
+    portable = ops.ragged_attention(*batch.args())
+    force_isa("attention", _C.attention_isas()[-1])
+    assert torch.equal(ops.ragged_attention(*batch.args(), plan=plan), portable)
+
+
+def test_step_plan_checks_the_metadata_once():
+    """plan_attention raises the op's own metadata errors, and the op refuses a plan made for
+    other shapes, window, dtype or metadata values instead of reading out of bounds."""
+    batch = random_ragged_batch([3, 1], [3, 20], 4, 2, 32, 4)
+    bad_table = batch.block_table.clone()
+    bad_table[1, 0] = 999
+    with pytest.raises(RuntimeError, match=r"block_table\[1, 0\] = 999 is out of range"):
+        ops.plan_attention(batch.q, batch.k_cache, batch.cu_q_lens, batch.context_lens,
+                           bad_table)
+    plan = plan_for(batch)
+    longer = batch.context_lens.clone()
+    longer[1] += 1
+    other = random_ragged_batch([3, 1], [3, 20], 4, 2, 32, 4, dtype=torch.bfloat16)
+    cases = [((*batch.args(), 5, plan), "plan was made for a window of 0 but this call has 5"),
+             ((*batch.args()[:4], longer, *batch.args()[5:], 0, plan),
+              "plan was made for other cu_q_lens / context_lens / block_table values"),
+             ((*batch.args()[:5], bad_table, batch.scale, 0, plan),
+              "plan was made for other cu_q_lens / context_lens / block_table values"),
+             ((*other.args(), 0, plan), "plan was made for a q dtype"),
+             ((batch.q[:3], *batch.args()[1:], 0, plan), "number of query tokens of 4 but"),
+             ((*batch.args(), 0, plan.int()), "plan must be a step plan from plan_attention"),
+             ((*batch.args(), 0, torch.zeros_like(plan)), "plan is not a step plan"),
+             ((*batch.args(), 0, plan[:-1]), "plan is not a step plan")]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            ops.ragged_attention(*args)
 
 
 # ---------------------------------------------------------------------------- rms_norm
@@ -378,6 +437,12 @@ def test_opcheck(device):
     batch = random_ragged_batch([3, 1], [3, 20], 4, 2, 32, 4, device=device)
     torch.library.opcheck(torch.ops.orca.ragged_attention.default, batch.args())
     torch.library.opcheck(torch.ops.orca.ragged_attention.default, (*batch.args(), 5))
+    if device == "cpu":
+        plan = plan_for(batch, 5)
+        torch.library.opcheck(torch.ops.orca.ragged_attention.default, (*batch.args(), 5, plan))
+        torch.library.opcheck(torch.ops.orca.plan_attention.default,
+                              (batch.q, batch.k_cache, batch.cu_q_lens, batch.context_lens,
+                               batch.block_table, 5))
     x = torch.randn(5, 16, device=device)
     for act, n in [("none", 8), ("gelu_tanh", 8), ("silu_and_mul", 16),
                    ("gelu_tanh_and_mul", 16)]:

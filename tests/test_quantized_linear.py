@@ -49,10 +49,10 @@ SHAPES = [(32, 7), (96, 33), (288, 129), (576, 33)]
 
 
 @pytest.fixture(params=ISAS)
-def isa(request, monkeypatch) -> str:
+def isa(request, force_isa) -> str:
     if request.param not in _C.quant_isas():
         pytest.skip(f"this CPU does not run the {request.param} path")
-    monkeypatch.setenv("ORCA_QUANT_ISA", request.param)
+    force_isa("quant", request.param)
     return request.param
 
 
@@ -158,7 +158,7 @@ def test_stored_formats_dequantize_as_gguf(isa, fmt):
 @pytest.mark.parametrize("isa,T,steps", [("avx512_vnni", 1, 512), ("avx512_vnni", 2, 512),
                                          ("amx_int8", 1, 512), ("amx_int8", 3, 508),
                                          ("amx_int8", 40, 508), ("amx_int8", 300, 508)])
-def test_int8_activation_error(fmt, isa, T, steps, monkeypatch):
+def test_int8_activation_error(fmt, isa, T, steps, force_isa):
     """The int8 paths' one error beyond float32 accumulation: each activation rounded by at most
     its block's dx / steps (dx = max |x| / 127; the remainder's int8 part is in steps of dx / 256
     in avx512_vnni's kernels, dx / 254 in amx_int8's tiles), so an output moves by at most
@@ -167,7 +167,7 @@ def test_int8_activation_error(fmt, isa, T, steps, monkeypatch):
         pytest.skip(f"this CPU does not run the {isa} path")
     if rounding(isa, T, torch.float32, fmt) is None:
         pytest.skip(f"{isa} takes {T} tokens of {fmt} as float32")
-    monkeypatch.setenv("ORCA_QUANT_ISA", isa)
+    force_isa("quant", isa)
     K, N = (576, 129) if block_weights(fmt) == 32 else (768, 129)
     q, w = quantized(fmt, K, N)
     x = torch.randn(T, K, generator=torch.Generator().manual_seed(5))
@@ -219,12 +219,12 @@ def test_quantized_linear_epilogue(isa, fmt, dtype, T, activation, with_bias, wi
     assert_close(out, ref.packed_linear(rows, w, b, activation, r), dtype)
 
 
-def test_default_isa_is_the_best_this_cpu_runs(monkeypatch):
+def test_default_isa_is_the_best_this_cpu_runs(force_isa):
     q, w = quantized("q4_0", 96, 33)
     x = torch.randn(1, 96)
-    monkeypatch.delenv("ORCA_QUANT_ISA", raising=False)
+    assert _C.get_isa("quant") == _C.quant_isas()[-1]  # the suite runs without ORCA_QUANT_ISA
     default = ops.quantized_linear(x, q, "q4_0", 96)
-    monkeypatch.setenv("ORCA_QUANT_ISA", _C.quant_isas()[-1])
+    force_isa("quant", _C.quant_isas()[-1])
     assert torch.equal(default, ops.quantized_linear(x, q, "q4_0", 96))
     assert _C.quant_isas()[0] == "portable"
 
@@ -360,17 +360,20 @@ def test_errors(override, message):
         ops.quantized_linear(**args)
 
 
-def test_forced_isa_errors(monkeypatch):
-    q, _ = quantized("q8_0", 32, 7)
-    monkeypatch.setenv("ORCA_QUANT_ISA", "sse9")
-    with pytest.raises(RuntimeError, match="ORCA_QUANT_ISA must be one of 'portable', 'avx2', "
-                                           "'avx512', 'avx512_vnni', 'amx_int8', got 'sse9'"):
-        ops.quantized_linear(torch.randn(2, 32), q, "q8_0", 32)
+def test_forced_isa_errors():
+    before = _C.get_isa("quant")
+    with pytest.raises(ValueError, match="quant ISA must be one of 'portable', 'avx2', "
+                                         "'avx512', 'avx512_vnni', 'amx_int8', got 'sse9'"):
+        _C.set_isa("quant", "sse9")
     missing = [name for name in ISAS if name not in _C.quant_isas()]
     for name in missing:
-        monkeypatch.setenv("ORCA_QUANT_ISA", name)
-        with pytest.raises(RuntimeError, match=f"ORCA_QUANT_ISA={name} but this CPU"):
-            ops.quantized_linear(torch.randn(2, 32), q, "q8_0", 32)
+        with pytest.raises(ValueError, match=f"quant ISA '{name}' is a path this build or CPU "
+                                             "does not run"):
+            _C.set_isa("quant", name)
+    with pytest.raises(ValueError, match="kind must be one of 'quant', 'attention', 'lora', "
+                                         "got 'gemm'"):
+        _C.set_isa("gemm", "portable")
+    assert _C.get_isa("quant") == before  # a refused choice changes nothing
 
 
 # ---------------------------------------------------------------------------- orca_ext.quantize

@@ -56,10 +56,10 @@ def native_and_float(gguf_file):
 
 
 @pytest.fixture
-def isa(request, monkeypatch) -> str:
+def isa(request, force_isa) -> str:
     if request.param not in _C.quant_isas():
         pytest.skip(f"this CPU does not run the {request.param} path")
-    monkeypatch.setenv("ORCA_QUANT_ISA", request.param)
+    force_isa("quant", request.param)
     return request.param
 
 
@@ -448,7 +448,7 @@ def test_loaded_model_takes_no_quantization():
 
 
 @pytest.mark.parametrize("isa", ["avx512_vnni", "amx_int8"])
-def test_float_activations_on_request(monkeypatch, isa):
+def test_float_activations_on_request(force_isa, isa):
     """``int8_activations=False`` runs the int8 paths' one- and two-token steps on the
     activations as given: the float avx512 path's results (the output heads' logits). amx_int8's
     tiles (3 tokens and more) split the activations into two int8 parts either way, within
@@ -459,9 +459,9 @@ def test_float_activations_on_request(monkeypatch, isa):
     op = torch.ops.orca.quantized_linear.default
     for T in (1, 2, 5, 40) if isa == "amx_int8" else (1, 2):
         x = torch.randn(T, 96)
-        monkeypatch.setenv("ORCA_QUANT_ISA", "avx512")
+        force_isa("quant", "avx512")
         want = ops.quantized_linear(x, q, "q4_1", 96)
-        monkeypatch.setenv("ORCA_QUANT_ISA", isa)
+        force_isa("quant", isa)
         got = ops.quantized_linear(x, q, "q4_1", 96, int8_activations=False)
         if T <= 2:
             assert torch.equal(got, want)

@@ -106,7 +106,8 @@ static void BM_ReadModelWeights(benchmark::State& state) {
 BENCHMARK(BM_ReadModelWeights)->Arg(0)->Arg(1)->UseRealTime()->Unit(benchmark::kMillisecond);
 
 using RaggedAttention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                   const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+                                   const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                   int64_t, const std::optional<at::Tensor>&);
 
 c10::TypedOperatorHandle<RaggedAttention> ragged_attention_op() {
   return c10::Dispatcher::singleton()
@@ -136,7 +137,8 @@ static void BM_RaggedAttention(benchmark::State& state) {
   }
   const auto cu_t = at::tensor(cu, at::kInt), ctx_t = at::tensor(ctx, at::kInt);
   for (auto _ : state) {
-    benchmark::DoNotOptimize(op.call(q, k_cache, v_cache, cu_t, ctx_t, table, 0.125));
+    benchmark::DoNotOptimize(
+        op.call(q, k_cache, v_cache, cu_t, ctx_t, table, 0.125, 0, std::nullopt));
   }
   state.SetLabel("32 decodes (context 384) + 1 prefill of 256, 12x64 heads");
 }
@@ -180,7 +182,7 @@ static void BM_DecodeAttentionCold(benchmark::State& state) {
   size_t layer = 0;
   for (auto _ : state) {
     benchmark::DoNotOptimize(op.call(kv.q, kv.k[layer], kv.v[layer], kv.cu_q_lens,
-                                     kv.context_lens, kv.block_table, 0.125));
+                                     kv.context_lens, kv.block_table, 0.125, 0, std::nullopt));
     layer = (layer + 1) % kv.k.size();
   }
   state.SetBytesProcessed(state.iterations() * kv.bytes_per_layer);

@@ -7,15 +7,14 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <functional>
-#include <string>
 #include <utility>
 #include <vector>
 
 #include "bf16_dot.h"
 #include "ceil_div.h"
 #include "checks.h"
+#include "isa_choice.h"
 #include "orca/cpu/attention.h"
 
 namespace orca {
@@ -57,9 +56,15 @@ inline void check_metadata_values(const AttentionShape& s, const int32_t* cu, co
   }
 }
 
+// The splits of one item's KV range to combine: the first split and how many follow it.
+struct Merge {
+  AttentionWork first;
+  int64_t num_splits;
+};
+
 struct Plan {
   std::vector<AttentionWork> items;  // in execution order (costliest first)
-  std::vector<std::pair<AttentionWork, int64_t>> merges;  // first split of a group, num splits
+  std::vector<Merge> merges;
   int64_t partial_rows = 0;
   double merge_cost = 0;  // partial rows to combine, summed over the merges
   bool parallel = true;   // false: too little work to pay for a fork-join
@@ -145,7 +150,7 @@ inline Plan make_plan(const AttentionShape& s, const int32_t* cu, const int32_t*
     const int64_t rows = work.num_rows(G);
     AttentionWork first = work;
     first.partial_row = plan.partial_rows;
-    plan.merges.emplace_back(first, num_splits);
+    plan.merges.push_back({first, num_splits});
     for (int64_t sp = 0; sp < num_splits; ++sp) {
       AttentionWork w = work;
       w.kv_begin = static_cast<int32_t>(kv_begin + sp * chunk);
@@ -161,27 +166,6 @@ inline Plan make_plan(const AttentionShape& s, const int32_t* cu, const int32_t*
   plan.items.reserve(items.size());
   for (const auto& it : items) plan.items.push_back(it.second);
   return plan;
-}
-
-// The prefill-like items' kernels for bfloat16: ORCA_ATTENTION_ISA (read at each call, so tests
-// can switch it) where set, else the best this build and CPU run (amx, avx512bf16, portable).
-inline cpu::AttentionIsa chosen_attention_isa() {
-  using cpu::AttentionIsa;
-  const char* forced = std::getenv("ORCA_ATTENTION_ISA");
-  if (forced == nullptr || *forced == '\0') {
-    for (const AttentionIsa isa : {AttentionIsa::kAmx, AttentionIsa::kAvx512Bf16}) {
-      if (cpu::attention_isa_supported(isa)) return isa;
-    }
-    return AttentionIsa::kPortable;
-  }
-  for (const auto& [name, isa] : cpu::kAttentionIsaNames) {
-    if (std::string(forced) != name) continue;
-    TORCH_CHECK(cpu::attention_isa_supported(isa), "ORCA_ATTENTION_ISA=", forced,
-                " but this build or CPU does not support that path");
-    return isa;
-  }
-  TORCH_CHECK(false, "ORCA_ATTENTION_ISA must be one of 'portable', 'avx512bf16', 'amx', got '",
-              forced, "'");
 }
 
 // f.template operator()<kIsa>() for the path isa takes with scalar_t: the portable kernels for

@@ -29,9 +29,6 @@
 
 namespace orca {
 
-// lora_linear.cpp: the LoRA kernels' ISA, as lora_linear picks it (once per call).
-cpu::lora::Isa stack_lora_isa();
-
 namespace {
 
 // The most tokens a stack of quantized layers takes a call (its linears' y scratch).
@@ -42,8 +39,8 @@ struct StackShape {
   int64_t T, hidden, num_heads, num_kv_heads, head_dim, qkv_width, inter;
   NormKind norm;
   Activation act;
-  cpu::quant::Isa isa;  // the quantized linears' kernels (chosen_quant_isa, once per call)
-  cpu::AttentionIsa attention_isa;  // the attention's (chosen_attention_isa, once per call)
+  cpu::quant::Isa isa;  // the quantized linears' kernels (quant_isa_choice, once per call)
+  cpu::AttentionIsa attention_isa;  // the attention's (attention_isa_choice, once per call)
 };
 
 // The first `rot` dims of the q and k heads of qkv rows [T, stride] rotated in place (neox
@@ -453,7 +450,7 @@ void fused_stack(at::Tensor& x, const StackShape& s, const std::vector<DecoderSt
       if (merges > 0) {
 #pragma omp barrier
         for (int64_t i = next[2 * l + 1]++; i < merges; i = next[2 * l + 1]++) {
-          cpu::merge_partials(args, plan.merges[i].first, plan.merges[i].second, part);
+          cpu::merge_partials(args, plan.merges[i].first, plan.merges[i].num_splits, part);
         }
       }
 #pragma omp barrier
@@ -521,8 +518,8 @@ int64_t DecoderStack::max_tokens() const {
       !layers_.empty() && std::all_of(layers_.begin(), layers_.end(), [&](const Layer& l) {
         return tiled(l.qkv) && tiled(l.out) && tiled(l.up) && tiled(l.down);
       });
-  return quantized && chosen_quant_isa() == cpu::quant::Isa::kAmxInt8 ? kQuantStackMaxT
-                                                                      : kSkinnyMaxT;
+  return quantized && quant_isa_choice().get() == cpu::quant::Isa::kAmxInt8 ? kQuantStackMaxT
+                                                                          : kSkinnyMaxT;
 }
 
 void DecoderStack::add_layer(const c10::Dict<std::string, at::Tensor>& weights,
@@ -766,7 +763,7 @@ at::Tensor DecoderStack::run(const at::Tensor& x_in, const std::vector<at::Tenso
               " (run the model's own forward for more)");
   const StackShape s{T, hidden_, num_heads_, num_kv_heads_, head_dim_,
                      (num_heads_ + 2 * num_kv_heads_) * head_dim_, inter_, norm_, act_,
-                     chosen_quant_isa(), chosen_attention_isa()};
+                     quant_isa_choice().get(), attention_isa_choice().get()};
   TORCH_CHECK(rotary_cos.has_value() == rotary_sin.has_value(),
               "rotary_cos and rotary_sin must be given together");
   int64_t rotary_dim = 0;
@@ -846,7 +843,7 @@ at::Tensor DecoderStack::run(const at::Tensor& x_in, const std::vector<at::Tenso
                                   sin ? sin->data_ptr<scalar_t>() : nullptr, rotary_dim};
     const StepLora lora{row_slot.data(),
                         lora_scales_.defined() ? lora_scales_.data_ptr<float>() : nullptr, lora_,
-                        stack_lora_isa()};
+                        lora_isa_choice().get()};
     fused_stack<scalar_t>(x, s, layers_, args, as, norm_eps_, step_begin, step_end, add_residual,
                           partial, lora_slots != nullptr ? &lora : nullptr);
   });

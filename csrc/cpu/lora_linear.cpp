@@ -7,9 +7,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <vector>
 
+#include "isa_choice.h"
 #include "lora_checks.h"
 #include "orca/cpu/lora.h"
 
@@ -17,19 +17,6 @@ namespace orca {
 namespace {
 
 using cpu::lora::Isa;
-
-Isa chosen_lora_isa() {
-  const char* forced = std::getenv("ORCA_LORA_ISA");
-  if (forced == nullptr || *forced == '\0') return cpu::lora::best_isa();
-  for (const auto& [name, isa] : cpu::lora::kIsaNames) {
-    if (std::string(forced) != name) continue;
-    TORCH_CHECK(cpu::lora::isa_supported(isa), "ORCA_LORA_ISA=", forced,
-                " but this CPU does not support that path");
-    return isa;
-  }
-  TORCH_CHECK(false, "ORCA_LORA_ISA must be one of 'portable', 'avx2', 'avx512', got '", forced,
-              "'");
-}
 
 constexpr int64_t kGemmRows = 16;
 constexpr int64_t kGroupRows = 8;
@@ -78,7 +65,7 @@ void lora_linear_cpu(at::Tensor& y, const at::Tensor& x_in, const at::Tensor& lo
   const auto rows = adapter_rows(cu_seg_lens_in.contiguous(), seg_slots_in.contiguous(), T, L,
                                  long_runs);
   if ((rows.empty() && long_runs.empty()) || R == 0 || N == 0) return;
-  const Isa isa = chosen_lora_isa();
+  const Isa isa = lora_isa_choice().get();
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const at::Tensor a = lora_a_in.contiguous(), b_t = lora_b_in.contiguous();
   const at::Tensor scales = scales_in.contiguous();
@@ -129,17 +116,6 @@ void lora_linear_cpu(at::Tensor& y, const at::Tensor& x_in, const at::Tensor& lo
 }
 
 }  // namespace
-
-// The DecoderStack's LoRA kernels (decoder_stack.cpp): as lora_linear picks them.
-cpu::lora::Isa stack_lora_isa() { return chosen_lora_isa(); }
-
-std::vector<std::string> lora_isa_names() {
-  std::vector<std::string> names;
-  for (const auto& [name, isa] : cpu::lora::kIsaNames) {
-    if (cpu::lora::isa_supported(isa)) names.emplace_back(name);
-  }
-  return names;
-}
 
 TORCH_LIBRARY_IMPL(orca, CPU, m) { m.impl("lora_linear", &lora_linear_cpu); }
 

@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "checks.h"
+#include "isa_choice.h"
 #include "orca/cpu/quant_linear.h"
 #include "skinny_blocks.h"
 
@@ -28,10 +29,6 @@ enum class Int8Path { kNone, kVnni, kAmx };
 // The format named 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q4_K', 'q5_K' or 'q6_K' (ggml's
 // type names); a RuntimeError naming `what` otherwise.
 cpu::quant::Format parse_quant_format(c10::string_view name, const char* what = "format");
-
-// The kernels' path: ORCA_QUANT_ISA (read at each call, so tests can switch it) where set, else
-// the best this CPU runs.
-cpu::quant::Isa chosen_quant_isa();
 
 struct QuantArgs {
   cpu::quant::Format format;

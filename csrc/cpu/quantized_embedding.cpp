@@ -39,7 +39,7 @@ at::Tensor quantized_embedding_cpu(const at::Tensor& ids_in, const at::Tensor& q
   }
   at::Tensor out = at::empty({T, embedding_dim}, qweight.options().dtype(at::kFloat));
   if (T == 0 || embedding_dim == 0) return out;
-  const cpu::quant::Isa isa = chosen_quant_isa();
+  const cpu::quant::Isa isa = quant_isa_choice().get();
   const uint8_t* w = qweight.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   // A row per task is ~2 KB of writes: only long prompts are worth the threads.

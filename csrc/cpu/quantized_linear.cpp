@@ -11,17 +11,17 @@
 // kInt8MaxT tokens, every format; amx_int8: avx512_vnni with AMX-INT8 tile products on
 // activations split into two int8 parts for more: any number of float32 tokens, up to
 // kAmxMaxTBf16 bfloat16 ones, for q8_0 / q4_0 / q4_1, avx512 for the other formats) is the best
-// this CPU runs, or ORCA_QUANT_ISA's.
+// this CPU runs, or orca_ext._C.set_isa("quant", ...)'s (seeded by ORCA_QUANT_ISA).
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "isa_choice.h"
 #include "normalized_input.h"
 #include "quant_blocks.h"
 
@@ -50,19 +50,6 @@ Format parse_quant_format(c10::string_view name, const char* what) {
   }
   TORCH_CHECK(false, what, " must be one of 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q4_K', "
               "'q5_K', 'q6_K', got '", std::string(name), "'");
-}
-
-Isa chosen_quant_isa() {
-  const char* forced = std::getenv("ORCA_QUANT_ISA");
-  if (forced == nullptr || *forced == '\0') return cpu::quant::best_isa();
-  for (const auto& [name, isa] : cpu::quant::kIsaNames) {
-    if (std::string(forced) != name) continue;
-    TORCH_CHECK(cpu::quant::isa_supported(isa), "ORCA_QUANT_ISA=", forced,
-                " but this CPU does not support that path");
-    return isa;
-  }
-  TORCH_CHECK(false, "ORCA_QUANT_ISA must be one of 'portable', 'avx2', 'avx512', 'avx512_vnni', "
-              "'amx_int8', got '", forced, "'");
 }
 
 QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& qweight,
@@ -175,7 +162,7 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
   const auto [fmt, act, input_norm] =
       check_quantized_linear_inputs(x_in, qweight_in, format, in_features, bias_in, activation,
                                     residual_in, norm, norm_weight, norm_bias, norm_eps);
-  const Isa isa = chosen_quant_isa();
+  const Isa isa = quant_isa_choice().get();
   const at::Tensor x = input_norm.kind == NormKind::kNone
                            ? x_in.contiguous()
                            : normalized_input(x_in.contiguous(), input_norm);

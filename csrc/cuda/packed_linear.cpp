@@ -1,5 +1,5 @@
 // packed_linear on CUDA: y = act(x @ W^T + b) over packed tokens, on the current stream.
-//  - few tokens (T <= ORCA_SKINNY_MAX_T, default 8): one weight-streaming kernel with bias and
+//  - few tokens (T <= cuda::kSkinnyMaxT): one weight-streaming kernel with bias and
 //    activation fused (csrc/include/orca/cuda/linear.cuh); silu_and_mul / gelu_tanh_and_mul
 //    read the gate and up rows of each output column in the same CTA, so they are fully fused;
 //  - otherwise cuBLASLt (torch's handle) with the bias/activation in its epilogue
@@ -20,7 +20,6 @@
 #include <torch/version.h>
 #endif
 
-#include <cstdlib>
 #include <map>
 #include <memory>
 #include <tuple>
@@ -35,25 +34,10 @@
 
 #include "checks.h"
 #include "cuda/common.h"
+#include "cuda/test_limits.h"
 
 namespace orca {
 namespace {
-
-int skinny_max_t() {
-  static const int value = [] {
-    const char* env = std::getenv("ORCA_SKINNY_MAX_T");
-    const int v = env ? std::atoi(env) : cuda::kSkinnyMaxT;
-    return std::max(0, std::min(v, cuda::kSkinnyMaxT));
-  }();
-  return value;
-}
-
-// ORCA_LINEAR_NO_EPILOGUE=1 (read on every call; for tests and debugging) runs the fallback a
-// missing cuBLASLt epilogue takes: a plain GEMM, then the elementwise bias/activation kernel.
-bool epilogue_disabled() {
-  const char* env = std::getenv("ORCA_LINEAR_NO_EPILOGUE");
-  return env != nullptr && env[0] == '1' && env[1] == '\0';
-}
 
 #define ORCA_LT_CHECK(expr)                                                                 \
   do {                                                                                      \
@@ -217,12 +201,12 @@ cuda::Act to_act(Activation act) {
 }
 
 // out = act(x @ w^T + bias) with act in {none, gelu_tanh, relu}: cuBLASLt epilogue, or plain
-// GEMM + elementwise kernel when cuBLASLt has no algorithm for the epilogue (or
-// ORCA_LINEAR_NO_EPILOGUE=1).
+// GEMM + elementwise kernel when cuBLASLt has no algorithm for the epilogue (or a test sets
+// linear_no_epilogue in cuda/test_limits.h).
 void gemm_epilogue(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias,
                    Activation act, at::Tensor& out) {
   const bool fused = bias != nullptr || act != Activation::kNone;
-  if ((!fused || !epilogue_disabled()) &&
+  if ((!fused || !cuda::test_limits().linear_no_epilogue.load()) &&
       lt_gemm(x, w, bias, lt_epilogue(act, bias != nullptr), out)) {
     return;
   }
@@ -274,7 +258,7 @@ at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight_in,
   const cuda::DType dtype = cuda::to_dtype(x.scalar_type());
   const auto stream = c10::cuda::getCurrentCUDAStream(x.get_device());
   const int64_t vec = 16 / x.element_size();
-  if (T <= skinny_max_t() && K % vec == 0 && x.stride(0) % vec == 0 && w.stride(0) % vec == 0 &&
+  if (T <= cuda::kSkinnyMaxT && K % vec == 0 && x.stride(0) % vec == 0 && w.stride(0) % vec == 0 &&
       cuda::aligned16(x.data_ptr()) && cuda::aligned16(w.data_ptr())) {
     cuda::SkinnyLinearParams p{};
     p.x = x.data_ptr();

@@ -7,37 +7,28 @@
 //
 // The work partition is planned from shapes alone (orca::cuda::plan_attention): no device
 // tensor is read on the host, and each call is one attention launch, plus one merge launch when
-// the plan splits long KV ranges. ORCA_ATTN_MAX_CTAS / ORCA_ATTN_MAX_SPLITS (read on every
-// call; for tests and debugging) cap the tensor-core grid and the KV splits.
+// the plan splits long KV ranges (a CPU step plan from plan_attention is not taken). Tests cap
+// the tensor-core grid and the KV splits through cuda/test_limits.h.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <limits>
 
 #include "checks.h"
 #include "cuda/common.h"
+#include "cuda/test_limits.h"
 
 namespace orca {
 namespace {
-
-// A debugging cap from the environment: 0 when unset or empty.
-int64_t env_cap(const char* name) {
-  const char* text = std::getenv(name);
-  if (text == nullptr || *text == '\0') return 0;
-  char* end = nullptr;
-  const long long value = std::strtoll(text, &end, 10);
-  TORCH_CHECK(*end == '\0' && value >= 0 && value <= std::numeric_limits<int32_t>::max(),
-              "ragged_attention: ", name, " must be a non-negative integer, got '", text, "'");
-  return value;
-}
 
 at::Tensor ragged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cache,
                                  const at::Tensor& v_cache, const at::Tensor& cu_q_lens_in,
                                  const at::Tensor& context_lens_in,
                                  const at::Tensor& block_table_in, double scale,
-                                 int64_t window) {
+                                 int64_t window, const std::optional<at::Tensor>& step_plan) {
+  TORCH_CHECK(!step_plan.has_value(), "ragged_attention: plan is a CPU step plan "
+              "(plan_attention); on CUDA the op plans from shapes alone, pass plan=None");
   const AttentionShape s = check_attention_inputs(q_in, k_cache, v_cache, cu_q_lens_in,
                                                   context_lens_in, block_table_in, scale, window);
   cuda::check_cuda(q_in, "ragged_attention", "q");
@@ -68,8 +59,8 @@ at::Tensor ragged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cac
   const int device = q.get_device();
   const int num_sms = cuda::device_attribute(cudaDevAttrMultiProcessorCount, device);
   cuda::AttentionLimits limits;
-  limits.max_ctas = env_cap("ORCA_ATTN_MAX_CTAS");
-  limits.max_splits = static_cast<int32_t>(env_cap("ORCA_ATTN_MAX_SPLITS"));
+  limits.max_ctas = cuda::test_limits().attn_max_ctas.load();
+  limits.max_splits = static_cast<int32_t>(cuda::test_limits().attn_max_splits.load());
   cuda::AttentionPlan plan =
       cuda::plan_attention(s.num_tokens, s.batch, s.num_q_heads, s.num_kv_heads, s.head_dim,
                            s.block_size, s.max_blocks, dtype, aligned, num_sms, limits);

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .. import envs
+
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
@@ -90,8 +92,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 def cache_dir() -> Path:
     """Where files made once are kept: ``$XDG_CACHE_HOME/orca_ext``, by default
     ``~/.cache/orca_ext``."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "orca_ext"
+    return envs.XDG_CACHE_HOME / "orca_ext"
 
 
 def builtin_gguf_path(name: str) -> Path:

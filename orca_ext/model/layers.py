@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +29,22 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # int32 [B]
     block_table: torch.Tensor  # int32 [B, max_blocks]
     slot_mapping: torch.Tensor  # int64 [T]
+    # The step's CPU attention plans (ops.plan_attention), one per window and cache geometry.
+    plans: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def attention_plan(self, q: torch.Tensor, k_cache: torch.Tensor,
+                       window: int) -> torch.Tensor | None:
+        """The step's attention plan for layers with this window: made by the first such
+        layer, taken by the others. None on CUDA, where ragged_attention plans from shapes."""
+        if not q.is_cpu:
+            return None
+        key = (window, q.shape[1:], q.dtype, k_cache.shape, k_cache.dtype)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = ops.plan_attention(q, k_cache, self.cu_q_lens,
+                                                        self.context_lens, self.block_table,
+                                                        window)
+        return plan
 
 
 class Layer(nn.Module):
@@ -204,5 +220,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache, v_cache = kv_cache
     ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = ops.ragged_attention(q, k_cache, v_cache, meta.cu_q_lens, meta.context_lens,
-                               meta.block_table, scale, window)
+                               meta.block_table, scale, window,
+                               meta.attention_plan(q, k_cache, window))
     return out.flatten(1)

@@ -17,11 +17,11 @@ parallelism. Prompts, prompt chunks, larger batches and longer contexts run eage
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 
 import torch
 
+from .. import envs
 from ..model.layers import AttentionMetadata
 from ..kv import KVCache
 
@@ -36,7 +36,7 @@ def cuda_graphs_enabled(flag: bool | None) -> bool:
     """The runner's ``cuda_graphs`` argument; None: on unless ``ORCA_CUDA_GRAPHS=0``."""
     if flag is not None:
         return flag
-    return os.environ.get("ORCA_CUDA_GRAPHS", "1") != "0"
+    return envs.ORCA_CUDA_GRAPHS
 
 
 def _aligned(n: int) -> int:

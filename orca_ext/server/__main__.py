@@ -6,13 +6,14 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import signal
 import socket
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
+
+from .. import envs
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -132,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="no info line per finished request (id, prompt and output tokens, "
                      "time to first token, total time, finish reason)")
     sec = p.add_argument_group("security")
-    sec.add_argument("--api-key", default=os.environ.get("ORCA_API_KEY"),
+    sec.add_argument("--api-key", default=envs.ORCA_API_KEY,
                      help="require 'Authorization: Bearer <key>' on /v1 and gRPC (default: "
                      "$ORCA_API_KEY; none)")
     sec.add_argument("--ssl-certfile", default=None, help="serve HTTPS (and gRPC over TLS)")

@@ -63,7 +63,7 @@ struct AttnCase {
   bool bad_block = false;  // put an out-of-range id in a used block_table entry
   bool corrupt = false;    // garbage metadata: only memory safety is checked (run under ASan)
   int table_pad = 0;       // junk block-table columns past the longest context (as for graphs)
-  AttentionLimits limits{};  // grid / split caps (ORCA_ATTN_MAX_CTAS / ORCA_ATTN_MAX_SPLITS)
+  AttentionLimits limits{};  // grid / split caps (the tests' attn_max_ctas / attn_max_splits)
   int window = 0;            // sliding window (0: none)
 };
 
@@ -358,7 +358,7 @@ void attention_suite() {
   test_attention<T>({8, 2, 64, 3, 2, {37, 1, 1, 70, 1}, {37, 90, 5, 200, 260}, 1}, "mixed");
   // Decode batch, long contexts: split KV + merge.
   test_attention<T>({4, 1, 128, 16, 0, {1, 1, 1}, {700, 1300, 40}, 132}, "decode-split");
-  // The same unsplit (ORCA_ATTN_MAX_SPLITS=1) and on a one-CTA grid (ORCA_ATTN_MAX_CTAS=1).
+  // The same unsplit (max_splits = 1) and on a one-CTA grid (max_ctas = 1).
   test_attention<T>({4, 1, 128, 16, 0, {1, 1, 1}, {700, 1300, 40}, 132, false, false, 0, {0, 1}},
                     "decode no-split");
   test_attention<T>({4, 1, 128, 16, 0, {1, 1, 1}, {700, 1300, 40}, 132, false, false, 0, {1, 0}},

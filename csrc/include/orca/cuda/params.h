@@ -65,9 +65,8 @@ struct AttentionPlan {
   int64_t partial_rows = 0;   // rows of part_o / part_lse (0 when max_splits == 1)
 };
 
-// Debugging caps on the plan (0 = none): the launcher reads them from ORCA_ATTN_MAX_CTAS and
-// ORCA_ATTN_MAX_SPLITS, so tests can make small batches loop over many items per CTA, or run
-// long contexts unsplit.
+// Test-only caps on the plan (0 = none; the launcher takes them from csrc/cuda/test_limits.h),
+// so tests can make small batches loop over many items per CTA, or run long contexts unsplit.
 struct AttentionLimits {
   int64_t max_ctas = 0;    // CTAs per KV head of the tensor-core kernel
   int32_t max_splits = 0;  // KV splits of one request
