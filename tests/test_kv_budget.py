@@ -3,6 +3,7 @@ machine cannot hold, and ``dtype="auto"``."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -89,3 +90,27 @@ def test_auto_dtype_follows_the_cpu(monkeypatch, native_bf16, expected):
     monkeypatch.setattr(dtypes, "cpu_has_native_bf16", lambda: native_bf16)
     assert dtypes.resolve_dtype("auto", "cpu") == expected
     assert load_model("orca-tiny", "auto").dtype == expected
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc")
+def test_a_cpu_kv_cache_is_zero_and_takes_memory_only_where_written():
+    """The cache is an anonymous mapping: making 1 GiB of it takes no memory (and no time to
+    zero it), every value reads 0, and memory grows only by the blocks written."""
+    config = SMOLLM2
+    block_bytes = kv_bytes_per_block(config, 16, torch.float32)
+    num_blocks = -(-(1 << 30) // block_bytes)
+    before = _resident_bytes()
+    cache = kv_cache.KVCache(config, num_blocks, 16, torch.float32)
+    assert cache.storage.nbytes >= 1 << 30
+    assert _resident_bytes() - before < 64 << 20
+    k, v = cache[0]
+    assert k.data_ptr() % (2 << 20) == 0
+    assert not k[-1].any() and not v[num_blocks // 2].any()
+    k[:8].fill_(1.0)
+    assert k[:8].eq(1.0).all() and not k[8:16].any()
+    assert _resident_bytes() - before < 128 << 20

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..model.arena import huge_page_empty
+from ..model.arena import huge_page_zeros
 from ..model.config import ModelConfig
 
 _log = logging.getLogger(__name__)
@@ -152,9 +152,10 @@ def _gib(nbytes: int) -> str:
 
 class KVCache:
     """``len(cache)`` layers; ``cache[i]`` is layer i's ``(k_cache, v_cache)``, each
-    ``[num_blocks, block_size, num_kv_heads, head_dim]`` (views of one zeroed allocation, on
-    huge pages on CPU); ``keys`` / ``values`` list every layer's k / v cache. An int8 cache's rows
-    are ``head_dim + 4`` bytes: the values, then the row's float32 scale."""
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` (views of one zeroed allocation; on the
+    CPU an anonymous mapping on huge pages, whose memory is taken as blocks are first written);
+    ``keys`` / ``values`` list every layer's k / v cache. An int8 cache's rows are
+    ``head_dim + 4`` bytes: the values, then the row's float32 scale."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
@@ -166,7 +167,7 @@ class KVCache:
                  kv_row_width(config.head_dim, dtype))
         if torch.device(device).type == "cpu":
             nbytes = math.prod(shape) * dtype.itemsize
-            self.storage = huge_page_empty(nbytes).view(dtype).view(shape).zero_()
+            self.storage = huge_page_zeros(nbytes).view(dtype).view(shape)
         else:
             self.storage = torch.zeros(shape, dtype=dtype, device=device)
         self.layers = [(layer[0], layer[1]) for layer in self.storage]

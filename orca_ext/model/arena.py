@@ -9,6 +9,7 @@ step markedly faster (bench/model.py measures it).
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 
 import torch
@@ -37,6 +38,19 @@ def huge_page_empty(nbytes: int) -> torch.Tensor:
     """An uninitialized CPU uint8 tensor of ``nbytes``, 2 MB-aligned and advised for huge pages
     (before anything touches it, so the kernel backs it with them where it can)."""
     buffer = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
+    start = -buffer.data_ptr() % _HUGE_PAGE
+    _advise_huge_pages(buffer.data_ptr() + start, nbytes)
+    return buffer[start:start + nbytes]
+
+
+def huge_page_zeros(nbytes: int) -> torch.Tensor:
+    """A zeroed CPU uint8 tensor of ``nbytes``, 2 MB-aligned and advised for huge pages: an
+    anonymous mapping, whose pages the kernel hands out zeroed on first touch, so making it costs
+    no time and only the parts written take memory (a KV cache's blocks as requests fill them)."""
+    if not hasattr(mmap, "MAP_ANONYMOUS"):  # not a POSIX system: zeroed up front
+        return huge_page_empty(nbytes).zero_()
+    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
     start = -buffer.data_ptr() % _HUGE_PAGE
     _advise_huge_pages(buffer.data_ptr() + start, nbytes)
     return buffer[start:start + nbytes]
