@@ -1,4 +1,4 @@
-"""The README's install lines in a fresh venv, with pip's default build isolation: without torch
+"""docs/install.md's pip lines in a fresh venv, with pip's default build isolation: without torch
 the build stops at once saying what to run; with torch 2.13.0 installed, ``pip install .`` and
 ``pip install -e .`` build against it and ``import orca_ext`` runs an op; under another torch
 the import is an ImportError naming both versions and the fix. Slow (two builds of the
@@ -63,7 +63,7 @@ def check_install(source: Path, tmp_path: Path) -> None:
 
     installed = run(*pip, TORCH, cwd=tmp_path)
     assert installed.returncode == 0, installed.stderr
-    for line in (".", "-e ."):  # the README's lines: the build finds the torch just installed
+    for line in (".", "-e ."):  # docs/install.md's lines: the build finds the torch just installed
         built = run(*pip, *line.split(), cwd=source)
         assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
         imported = run(python, "-c", OP_CALL, cwd=tmp_path)
