@@ -194,7 +194,7 @@ def main() -> None:
             seconds["merged per adapter"] = timed(per_adapter)
         if quantization == "none" and not args.no_peft:
             model = peft_model(loaded, requests)
-            pad_id = loaded.eos_token_ids[0] if loaded.eos_token_ids else 0
+            pad_id = loaded.info.eos_token_ids[0] if loaded.info.eos_token_ids else 0
             names = [r.lora_name for r in loras]
             peft_generate(model, [prompts[0][:16]], [warm[1]], names[:1], 1, pad_id)
             theirs: list = []
