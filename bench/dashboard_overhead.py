@@ -1,5 +1,5 @@
 """The live dashboard's cost to the engine: mean iteration time with dashboard clients connected
-against none, on a real ``orca-serve`` (issue 39 asks for within 2 %).
+against none, on a real ``orca-serve``.
 
     flock /tmp/orca-bench.lock python bench/dashboard_overhead.py [--pairs 20] [--requests 8]
         [--max-tokens 192] [--clients 1] [--noisy-cores 0.25] [--retries 3]

@@ -1,4 +1,4 @@
-"""A calibrated model of ``orca`` against ``request`` (issue 8): each policy simulated under
+"""A calibrated model of ``orca`` against ``request``: each policy simulated under
 Poisson load on an iteration-cost model fitted on this machine, in the same run.
 
     python bench/policy_model.py [--quick] [--model orca-tiny] [--dtype float32] [--threads N]

@@ -14,7 +14,7 @@ Engines:
 - llama.cpp, through llama-cpp-python's C API, on the file as shipped and on ``q8_0`` / ``f32``
   copies of it written by llama.cpp's own ``llama_model_quantize`` (cached in ``--work-dir``).
   Its model loads with ``use_extra_bufts = False`` unless ``--extra-bufts``: on an AMX VM
-  llama.cpp's AMX repacking of Q4_1 died with "Illegal instruction" (issue 25), so its CPU
+  llama.cpp's AMX repacking of Q4_1 died with "Illegal instruction", so its CPU
   kernels run on the stored blocks.
 
 Sections:
