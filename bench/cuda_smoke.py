@@ -95,6 +95,12 @@ def store_kv_vector_widths() -> None:
 
 case("store-kv", "16 / 8 / 4 / 2-byte vectors; negative and past-the-end slots skipped",
      store_kv_vector_widths)
+case("store-kv-fp8", "store_kv into an fp8 e4m3 cache from bf16 / fp16 / fp32, saturating",
+     each(*(lambda d=d: tc.test_store_kv_fp8_rounds_as_torch_casts(d) for d in (BF16, FP16, FP32))))
+fp8_attention = tc.test_attention_fp8_cache_against_the_widened_cache
+case("attn-fp8-cache", "an fp8 e4m3 cache: tensor-core decode split + merge, prefill, simple",
+     each(lambda: fp8_attention(BF16, 128, "long-decode"), lambda: fp8_attention(FP16, 64, "mixed"),
+          lambda: fp8_attention(FP32, 64, "decode"), lambda: fp8_attention(BF16, 40, "prefill")))
 
 # ---- packed_linear -----------------------------------------------------------------------
 linear = tc.test_packed_linear_paths

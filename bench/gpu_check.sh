@@ -314,24 +314,41 @@ pytest_rounds() {  # pytest_rounds TIMEOUT_PER_TEST ARGS...: reruns the rest aft
   return 1
 }
 
-sanitizer() {  # sanitizer TOOL: the smoke's small cases under compute-sanitizer
-  local run=(--tool "$1" --error-exitcode 9 --print-limit 30)
-  local smoke=("$PY" "$ROOT/bench/cuda_smoke.py" --small)
-  export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # every allocation its own, so overruns are seen
+sanitize_once() {  # sanitize_once TOOL OUTFILE [SMOKE ARGS...]: one process under the tool
+  local run=(--tool "$1" --error-exitcode 9 --print-limit 30) out=$2
+  shift 2
+  local smoke=("$PY" "$ROOT/bench/cuda_smoke.py" --small "$@")
+  local rc
   if compute-sanitizer --help 2>&1 | grep -q -- '--kernel-name'; then
     # Only our kernels instrumented (torch's run as they are): much faster.
-    local out rc
-    out=$(mktemp "$WORK/sanitizer.XXXX")
     compute-sanitizer "${run[@]}" --kernel-name kns=orca "${smoke[@]}" 2>&1 | tee "$out"
     rc=${PIPESTATUS[0]}
     # A tool that refused the filter ran no case: run it again unfiltered.
     if (( rc == 0 )) || grep -qE '^(OK|FAIL|ABORT) ' "$out"; then return "$rc"; fi
     echo "(no case ran with --kernel-name kns=orca: again without the filter)"
   fi
-  compute-sanitizer "${run[@]}" "${smoke[@]}"
+  compute-sanitizer "${run[@]}" "${smoke[@]}" 2>&1 | tee "$out"
+  return "${PIPESTATUS[0]}"
 }
 
-export -f smoke_rounds pytest_rounds sanitizer
+sanitizer() {  # sanitizer TOOL: the smoke's small cases; after an abort a new process runs the rest
+  export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # every allocation its own, so overruns are seen
+  local out rc=0 status round after=()
+  out=$(mktemp "$WORK/sanitizer.XXXX")
+  for round in 1 2 3 4; do
+    sanitize_once "$1" "$out" "${after[@]}"
+    status=$?
+    (( status != 0 )) && rc=$status
+    local aborted
+    aborted=$(grep -E '^ABORT ' "$out" | tail -n 1 | cut -d' ' -f2)
+    [[ -z "$aborted" ]] && return "$rc"
+    echo "(context lost after $aborted: a new process runs the rest under $1)"
+    after=(--after "$aborted")
+  done
+  return 1
+}
+
+export -f smoke_rounds pytest_rounds sanitize_once sanitizer
 export ROOT WORK
 
 GPU_STEPS=(smoke memcheck racecheck synccheck "pytest test_cuda.py" "pytest test_ops.py -k cuda"

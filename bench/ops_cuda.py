@@ -6,6 +6,8 @@ Figures and targets (bf16, head_dim 128, block_size 16):
   decode_bw_long    ragged decode attention bytes/s (K+V read) / device-to-device copy bytes/s
                     (read + write), KV >= 128 MB                                      >= 0.70
   decode_bw_short   the same with contexts ~250 tokens                                 >= 0.50
+  fp8_decode        decode_bw_long's batch: time on the bf16 cache / time on an fp8 e4m3
+                    cache (half the bytes)                                             >= 1.30
   split_balance     time(1 x 32K context) / time(16 x 2K contexts), equal KV           <= 1.30
   mixed_vs_padded   padded torch SDPA time / ours on an Orca-like mixed batch         >= 1.5
   prefill_vs_flash  our prefill TFLOP/s / torch SDPA flash backend TFLOP/s            >= 0.70
@@ -17,6 +19,7 @@ Times are CUDA-event medians of back-to-back calls (launch overhead included for
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -120,6 +123,13 @@ def bench_decode(rep: Report, copy_bw: float, quick: bool) -> None:
         rep.add(name, bw / copy_bw, target,
                 f"B={len(ctx)} KV={kv_bytes(batch) / 2**20:.0f} MiB {t * 1e6:.1f} us "
                 f"{bw / 1e12:.2f} TB/s vs copy {copy_bw / 1e12:.2f} TB/s")
+        if name == "decode_bw_long":
+            fp8 = dataclasses.replace(batch, k_cache=batch.k_cache.to(torch.float8_e4m3fn),
+                                      v_cache=batch.v_cache.to(torch.float8_e4m3fn))
+            t8 = cuda_time(attention(fp8))
+            rep.add("fp8_decode", t / t8, ">= 1.30",
+                    f"B={len(ctx)} bf16 {t * 1e6:.1f} us, fp8 {t8 * 1e6:.1f} us "
+                    f"({kv_bytes(fp8) / t8 / 1e12:.2f} TB/s of fp8 K+V)")
 
 
 def bench_split_balance(rep: Report) -> None:

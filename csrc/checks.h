@@ -94,6 +94,27 @@ inline bool check_int8_kv_cache(const at::Tensor& cache, const char* name) {
   return true;
 }
 
+// An fp8 KV cache (kv_cache_dtype "fp8_e4m3", CUDA): [num_blocks, block_size, Hkv, D] of
+// float8_e4m3fn values, K and V as they are (no scale), rounded to nearest even and saturated
+// at +-448 when stored.
+inline bool is_fp8_kv_cache(const at::Tensor& cache) {
+  return cache.scalar_type() == at::kFloat8_e4m3fn;
+}
+
+// Whether `cache` is an fp8 KV cache, checked to be on CUDA (the only kernels that read one).
+inline bool check_fp8_kv_cache(const at::Tensor& cache, const char* name) {
+  if (!is_fp8_kv_cache(cache)) return false;
+  TORCH_CHECK(cache.is_cuda(), name, " is an fp8_e4m3 KV cache, which runs on CUDA only; got "
+              "one on ", cache.device());
+  return true;
+}
+
+// Whether `cache` holds K/V in a format of its own (int8 or fp8), written from K/V of any float
+// dtype, rather than in the activations' dtype.
+inline bool check_quantized_kv_cache(const at::Tensor& cache, const char* name) {
+  return check_int8_kv_cache(cache, name) || check_fp8_kv_cache(cache, name);
+}
+
 // Shapes and dtypes of ragged_attention's inputs; value checks (block ids, monotone offsets)
 // need the metadata on the host and are done by the CPU launcher only.
 struct AttentionShape {
@@ -110,7 +131,7 @@ inline AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tens
   check_dim(q, "q", 3, "[T, Hq, D]");
   check_dim(k_cache, "k_cache", 4, "[num_blocks, block_size, Hkv, D]");
   check_float_dtype(q, "q");
-  if (check_int8_kv_cache(k_cache, "k_cache")) {
+  if (check_quantized_kv_cache(k_cache, "k_cache")) {
     check_same_dtype(v_cache, "v_cache", k_cache, "k_cache");
   } else {
     check_same_dtype(k_cache, "k_cache", q, "q");
@@ -157,13 +178,13 @@ inline void check_store_kv_inputs(const at::Tensor& key, const at::Tensor& value
                                   const at::Tensor& slot_mapping) {
   check_dim(key, "key", 3, "[T, Hkv, D]");
   check_dim(k_cache, "k_cache", 4, "[num_blocks, block_size, Hkv, D]");
-  const bool int8_cache = check_int8_kv_cache(k_cache, "k_cache");
-  if (!int8_cache) check_float_dtype(k_cache, "k_cache");
+  const bool quantized_cache = check_quantized_kv_cache(k_cache, "k_cache");
+  if (!quantized_cache) check_float_dtype(k_cache, "k_cache");
   TORCH_CHECK(value.sizes() == key.sizes(), "value shape ", shape_str(value),
               " must equal key shape ", shape_str(key));
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache shape ", shape_str(v_cache),
               " must equal k_cache shape ", shape_str(k_cache));
-  if (int8_cache) {  // K/V of any float dtype, quantized as they are stored
+  if (quantized_cache) {  // K/V of any float dtype, converted as they are stored
     check_float_dtype(key, "key");
     check_same_dtype(value, "value", key, "key");
   } else {

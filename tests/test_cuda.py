@@ -9,8 +9,10 @@ and the cuBLASLt-less fallback, launches from several host threads, opcheck on C
 safety with invalid metadata, a decode step (packed_linear -> store_kv -> ragged_attention)
 captured in a CUDA graph and replayed with new metadata (which would fail if an op read device
 values on the host or synchronized), and the runner's decode iterations from CUDA graphs against
-its eager ones.
+its eager ones, and the fp8 e4m3 KV cache (store_kv's rounding against torch's cast, every
+attention kernel against the dequantized cache, the runner and the engine on it).
 """
+import dataclasses
 import threading
 
 import pytest
@@ -19,7 +21,7 @@ import torch
 import orca_ext
 import reference_ops as ref
 from engine_fakes import ScriptedBatches
-from orca_ext import ops
+from orca_ext import LLM, ops
 from orca_ext.kv import KVCache, SlotAllocator
 from orca_ext.model import load_model
 from orca_ext.runner import ModelRunner
@@ -475,8 +477,9 @@ DECODE_STEPS = [[0], [0, 1], [0, 1, 2], list(range(5)), list(range(8)), list(ran
                 list(range(3, 19)), list(range(17)), list(range(30)), [4, 29, 7], [29]]
 
 
-def drive_runner(dtype, cuda_graphs, max_context=None):
-    """A prefill of 30 prompts, then DECODE_STEPS; returns the runner and its logits."""
+def drive_runner(dtype, cuda_graphs, max_context=None, kv_dtype=None):
+    """A prefill of 30 prompts, then DECODE_STEPS; returns the runner and its logits (the KV
+    cache in ``kv_dtype``, default the activations' dtype)."""
     loaded = load_model("orca-tiny", dtype, "cuda")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (int(n),), generator=gen).tolist()
@@ -484,7 +487,8 @@ def drive_runner(dtype, cuda_graphs, max_context=None):
     block_size = 16
     steps = len(DECODE_STEPS)
     blocks = sum(-(-(len(p) + steps) // block_size) for p in prompts)
-    runner = ModelRunner(loaded.model, KVCache(loaded.config, blocks, block_size, dtype, "cuda"),
+    kv_cache = KVCache(loaded.config, blocks, block_size, kv_dtype or dtype, "cuda")
+    runner = ModelRunner(loaded.model, kv_cache,
                          cuda_graphs=cuda_graphs, cuda_graph_max_context=max_context)
     runner.sampler = RecordingSampler(runner.sampler)
     allocator = SlotAllocator(blocks, block_size)
@@ -546,3 +550,112 @@ def test_runner_runs_long_contexts_eagerly():
     for got, want in zip(logits, eager):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
+
+
+# ---------------------------------------------------------------------------- the fp8 KV cache
+
+FP8 = torch.float8_e4m3fn
+
+
+def as_fp8_cache(batch):
+    """The batch with its K/V rounded into fp8 caches, and the same batch reading them widened
+    back to q's dtype (exact: every e4m3 value is a half, a bfloat16 and a float)."""
+    k8, v8 = batch.k_cache.to(FP8), batch.v_cache.to(FP8)
+    widened = dataclasses.replace(batch, k_cache=k8.to(batch.q.dtype), v_cache=v8.to(batch.q.dtype))
+    return dataclasses.replace(batch, k_cache=k8, v_cache=v8), widened
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_store_kv_fp8_rounds_as_torch_casts(dtype):
+    """Stored bytes equal torch's round-to-nearest-even cast, out-of-range values saturate at
+    +-448, a negative slot is skipped, strided K/V views are read as such."""
+    gen = torch.Generator().manual_seed(1)
+    qkv = (torch.randn(5, 3, 2, 64, generator=gen) * 8).to(dtype).cuda()
+    qkv[0, 1, 0, :4] = torch.tensor([1000.0, -3e4, 448.0, 460.0], dtype=dtype)
+    key, value = qkv[:, 1], qkv[:, 2]  # strided views, like a fused QKV projection's
+    k_cache = torch.zeros(2, 4, 2, 64, dtype=FP8, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([6, 0, -1, 3, 7], device="cuda")
+    ops.store_kv(key, value, k_cache, v_cache, slots)
+    torch.cuda.synchronize()
+    for cache, src in ((k_cache, key), (v_cache, value)):
+        rows = cache.view(8, 2, 64)
+        want = src.float().clamp(-448, 448).to(FP8)
+        for t, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                assert torch.equal(rows[slot].view(torch.uint8), want[t].view(torch.uint8))
+        assert rows[[1, 2, 4, 5]].view(torch.uint8).eq(0).all()
+    assert k_cache.view(8, 2, 64)[6, 0, :4].float().tolist() == [448.0, -448.0, 448.0, 448.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 40])  # 40: no tensor-core kernel
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_attention_fp8_cache_against_the_widened_cache(dtype, head_dim, mix):
+    """Every kernel (tensor-core decode / prefill tiles, split + merge, the simple kernel) on an
+    fp8 cache gives the float64 attention over that cache's values."""
+    q_lens, ctx = MIXES[mix]
+    batch = random_ragged_batch(q_lens, ctx, 8, 2, head_dim, 16, dtype=dtype, device="cuda",
+                                seed=head_dim + 1)
+    fp8_batch, widened = as_fp8_cache(batch)
+    out = ops.ragged_attention(*fp8_batch.args())
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert_close(out, reference(widened), dtype)
+
+
+@pytest.mark.parametrize("window", [3, 600])
+def test_attention_fp8_cache_window_and_capped_grid(window):
+    batch = random_ragged_batch(*MIXES["long-prefill"], 8, 2, 64, 16, dtype=torch.bfloat16,
+                                device="cuda", seed=3)
+    fp8_batch, widened = as_fp8_cache(batch)
+    want = ref.ragged_attention(*(a.cpu() if torch.is_tensor(a) else a for a in widened.args()),
+                                window)
+    got = ops.ragged_attention(*fp8_batch.args(), window)
+    assert_close(got, want, torch.bfloat16)
+    with cuda_test_limits(attn_max_ctas=2):
+        assert torch.equal(ops.ragged_attention(*fp8_batch.args(), window), got)
+
+
+def test_fp8_cache_errors_name_the_problem():
+    batch = random_ragged_batch([1, 2], [5, 9], 4, 2, 64, 16, dtype=torch.bfloat16, device="cuda")
+    fp8_batch, _ = as_fp8_cache(batch)
+    with pytest.raises(RuntimeError, match="v_cache has dtype BFloat16 but k_cache has dtype "
+                                           "Float8_e4m3fn"):
+        ops.ragged_attention(batch.q, fp8_batch.k_cache, batch.v_cache, *batch.args()[3:])
+    with pytest.raises(RuntimeError, match="fp8_e4m3 KV cache, which runs on CUDA only"):
+        ops.ragged_attention(*(a.cpu() if torch.is_tensor(a) else a for a in fp8_batch.args()))
+    torch.library.opcheck(torch.ops.orca.ragged_attention.default, fp8_batch.args())
+    key = torch.randn(2, 2, 64, device="cuda")
+    torch.library.opcheck(torch.ops.orca.store_kv.default,
+                          (key, key, fp8_batch.k_cache.clone(), fp8_batch.v_cache.clone(),
+                           torch.tensor([0, 5], device="cuda")))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_runner_on_an_fp8_cache(dtype):
+    """The runner's prefill and decode iterations on an fp8 cache stay close to the same runner
+    on a cache in the activations' dtype, and its decode CUDA graphs give its eager logits."""
+    _, _, eager = drive_runner(dtype, cuda_graphs=False, kv_dtype=FP8)
+    _, _, graphed = drive_runner(dtype, cuda_graphs=True, kv_dtype=FP8)
+    _, _, full = drive_runner(dtype, cuda_graphs=False)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for got, want in zip(graphed[1:], eager[1:]):
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    for got, want in zip(eager, full):
+        relative = (got.double() - want.double()).norm() / want.double().norm()
+        assert relative < 0.1, relative
+
+
+def test_engine_fp8_kv_holds_twice_the_tokens():
+    config = dict(dtype="bfloat16", device="cuda", kv_cache_memory=2**20, max_batch_size=4)
+    fp8 = LLM("orca-tiny", kv_cache_dtype="fp8", **config)
+    auto = LLM("orca-tiny", **config)
+    assert fp8.engine.executor.kv_cache.dtype == FP8
+    assert fp8.engine.executor.kv_cache.num_blocks // 2 == auto.engine.executor.kv_cache.num_blocks
+    params = orca_ext.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["Hello, my name is", "The capital of France is", "a" * 40, "x"]
+    got = [o.outputs[0].token_ids for o in fp8.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in auto.generate(prompts, params, use_tqdm=False)]
+    assert all(len(ids) == 12 for ids in got)
+    same = sum(a == b for x, y in zip(got, want) for a, b in zip(x, y))
+    assert same >= 0.75 * 12 * len(prompts), (got, want)

@@ -5,7 +5,8 @@ with the host C++ compiler against a SIMT emulation (tests/cuda_emu/orca_cuda_em
 thread per CUDA thread, warp collectives - shuffles, ldmatrix, mma.sync m16n8k16 - computed as
 the PTX ISA specifies, deferred cp.async, 16-byte alignment of cp.async / ldmatrix addresses
 checked) and compares every attention path (tensor-core prefill and decode tiles, split-KV +
-merge, the simple kernel), store_kv and the linear epilogue kernels with float64 references;
+merge, the simple kernel), store_kv and the linear epilogue kernels with float64 references (also on an fp8 e4m3 KV
+cache: attention over the cache's values, store_kv's rounding against the nearest code);
 ``attention_items`` runs batches of over 128 requests on grids capped to a few CTAs and checks
 that neither the grid nor a padded block table changes an output bit. This checks indexing,
 fragment layouts, masking and the work partition on machines without a GPU; it says nothing
@@ -83,7 +84,8 @@ def emu_binary(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("suite", ["attention", "attention_items", "store_kv", "linear", "lora"])
+@pytest.mark.parametrize("suite", ["attention", "attention_items", "store_kv", "fp8", "linear",
+                                   "lora"])
 def test_cuda_kernels_emulated(emu_binary, suite):
     res = subprocess.run([str(emu_binary), suite], capture_output=True, text=True, timeout=1200)
     failures = [line for line in res.stdout.splitlines() if line.startswith("FAIL")]

@@ -178,9 +178,10 @@ def test_kv_cache_allocates_int8_rows():
 
 @pytest.mark.parametrize("name,dtype,device,message", [
     ("int4", torch.float32, "cpu", "kv_cache_dtype: 'int4' is not one of 'auto', 'int8', "
-                                   "'fp8_e4m3'"),
+                                   "'fp8', 'fp8_e4m3'"),
     ("int8", torch.float32, "cuda", "kv_cache_dtype: 'int8' runs on cpu only, got device 'cuda'"),
     ("fp8_e4m3", torch.float32, "cpu", "kv_cache_dtype: 'fp8_e4m3' runs on cuda only"),
+    ("fp8", torch.bfloat16, "cpu", "kv_cache_dtype: 'fp8' runs on cuda only"),
     ("int8", torch.float64, "cpu", "kv_cache_dtype: 'int8' needs float32, bfloat16 or float16 "
                                    "activations, got torch.float64"),
 ])
@@ -194,8 +195,8 @@ def test_engine_config_checks_kv_cache_dtype():
     assert config.kv_dtype() == config.dtype
     assert EngineConfig("orca-tiny", device="cpu",
                         kv_cache_dtype="int8").resolved().kv_dtype() == torch.int8
-    with pytest.raises(ValueError, match="kv_cache_dtype: 'fp8' is not one of"):
-        EngineConfig("orca-tiny", device="cpu", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype: 'fp8_e5m2' is not one of"):
+        EngineConfig("orca-tiny", device="cpu", kv_cache_dtype="fp8_e5m2")
     with pytest.raises(ValueError, match="kv_cache_dtype: 'fp8_e4m3' runs on cuda only"):
         EngineConfig("orca-tiny", device="cpu", kv_cache_dtype="fp8_e4m3")
     with pytest.raises(ValueError, match="kv_cache_dtype: 'int8' runs in one process"):

@@ -77,6 +77,17 @@ def test_store_kv_errors():
             ops.store_kv(**args)
 
 
+def test_fp8_kv_cache_on_cpu_is_refused():
+    """An fp8 e4m3 cache runs on CUDA only: the CPU ops (and the fused stack's checks) name it."""
+    batch = random_ragged_batch([1, 2], [5, 9], 4, 2, 16, 4)
+    k8, v8 = batch.k_cache.to(torch.float8_e4m3fn), batch.v_cache.to(torch.float8_e4m3fn)
+    message = "k_cache is an fp8_e4m3 KV cache, which runs on CUDA only; got one on cpu"
+    with pytest.raises(RuntimeError, match=message):
+        ops.ragged_attention(batch.q, k8, v8, *batch.args()[3:])
+    with pytest.raises(RuntimeError, match=message):
+        ops.store_kv(batch.q[:, :2], batch.q[:, :2], k8, v8, torch.tensor([0, 1, 2]))
+
+
 def test_packed_linear_errors():
     x, w = torch.randn(4, 8), torch.randn(6, 8)
     cases = [

@@ -10,11 +10,11 @@
 
 namespace orca::cuda::attn {
 
-// Raises attention_tc_kernel<T, D, WM>'s dynamic shared-memory limit once per device, to what
+// Raises attention_tc_kernel<T, D, WM, KV>'s dynamic shared-memory limit once per device, to what
 // the largest batch needs (capped at the device's opt-in limit, which the launcher checks each
 // plan against). Setting it per launch to that launch's size would let two host threads
 // interleave set(large), set(small), launch(large).
-template <typename T, int D, int WM>
+template <typename T, int D, int WM, typename KV>
 cudaError_t allow_max_dynamic_smem() {
   constexpr int kMaxDevices = 64;
   static std::once_flag once[kMaxDevices];
@@ -28,9 +28,11 @@ cudaError_t allow_max_dynamic_smem() {
     cudaError_t e =
         cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     if (e == cudaSuccess) {
-      const size_t most = std::min(attention_smem_bytes(WM, D, kAttnMaxBatchTC),
+      constexpr KvFormat kv_format =
+          std::is_same_v<KV, T> ? KvFormat::kSameAsQ : KvFormat::kFp8E4M3;
+      const size_t most = std::min(attention_smem_bytes(WM, D, kAttnMaxBatchTC, kv_format),
                                    static_cast<size_t>(optin));
-      e = cudaFuncSetAttribute(attention_tc_kernel<T, D, WM>,
+      e = cudaFuncSetAttribute(attention_tc_kernel<T, D, WM, KV>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(most));
     }
@@ -39,19 +41,27 @@ cudaError_t allow_max_dynamic_smem() {
   return result[device];
 }
 
-template <typename T, int D>
-cudaError_t launch_tc(const AttentionParams& p, const AttentionPlan& plan, cudaStream_t stream) {
+template <typename T, int D, typename KV>
+cudaError_t launch_tc_kv(const AttentionParams& p, const AttentionPlan& plan,
+                         cudaStream_t stream) {
   const bool decode = plan.warps_m == 1;
-  cudaError_t err = decode ? allow_max_dynamic_smem<T, D, 1>() : allow_max_dynamic_smem<T, D, 4>();
+  cudaError_t err =
+      decode ? allow_max_dynamic_smem<T, D, 1, KV>() : allow_max_dynamic_smem<T, D, 4, KV>();
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(plan.grid_x), static_cast<unsigned>(p.num_kv_heads));
-  if (decode) attention_tc_kernel<T, D, 1><<<grid, kAttnThreads, plan.smem_bytes, stream>>>(p);
-  else attention_tc_kernel<T, D, 4><<<grid, kAttnThreads, plan.smem_bytes, stream>>>(p);
+  if (decode) attention_tc_kernel<T, D, 1, KV><<<grid, kAttnThreads, plan.smem_bytes, stream>>>(p);
+  else attention_tc_kernel<T, D, 4, KV><<<grid, kAttnThreads, plan.smem_bytes, stream>>>(p);
   err = cudaGetLastError();
   if (err != cudaSuccess || plan.max_splits <= 1) return err;
   const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_q_heads;
   merge_kernel<T><<<static_cast<unsigned>(ceil_div(rows, 4)), 128, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t launch_tc(const AttentionParams& p, const AttentionPlan& plan, cudaStream_t stream) {
+  return plan.kv_format == KvFormat::kFp8E4M3 ? launch_tc_kv<T, D, __nv_fp8_e4m3>(p, plan, stream)
+                                              : launch_tc_kv<T, D, T>(p, plan, stream);
 }
 
 template <typename T>
@@ -70,7 +80,12 @@ cudaError_t launch_attention(const AttentionParams& p, const AttentionPlan& plan
     }
   }
   const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_q_heads;
-  attention_simple_kernel<T><<<static_cast<unsigned>(ceil_div(rows, 4)), 128, 0, stream>>>(p);
+  const dim3 grid(static_cast<unsigned>(ceil_div(rows, 4)));
+  if (plan.kv_format == KvFormat::kFp8E4M3) {
+    attention_simple_kernel<T, __nv_fp8_e4m3><<<grid, 128, 0, stream>>>(p);
+  } else {
+    attention_simple_kernel<T><<<grid, 128, 0, stream>>>(p);
+  }
   return cudaGetLastError();
 }
 

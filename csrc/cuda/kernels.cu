@@ -49,6 +49,21 @@ cudaError_t launch_store_kv(const StoreKvParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+cudaError_t launch_store_kv_fp8(const StoreKvParams& p, DType key_dtype, cudaStream_t stream) {
+  if (p.num_tokens == 0) return cudaSuccess;
+  const int threads = static_cast<int>(std::min<int64_t>(128, std::max<int64_t>(32,
+                                                         p.num_heads * p.row_bytes)));
+  const dim3 grid(static_cast<unsigned>(p.num_tokens));
+  switch (key_dtype) {
+    case DType::kBFloat16:
+      kvstore::store_kv_fp8_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(p);
+      break;
+    case DType::kFloat16: kvstore::store_kv_fp8_kernel<__half><<<grid, threads, 0, stream>>>(p); break;
+    default: kvstore::store_kv_fp8_kernel<float><<<grid, threads, 0, stream>>>(p); break;
+  }
+  return cudaGetLastError();
+}
+
 namespace {
 
 template <typename T>

@@ -47,6 +47,8 @@ at::Tensor ragged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cac
   if (s.batch == 0 || s.num_blocks == 0) return out.zero_();  // no request owns a token
 
   const cuda::DType dtype = cuda::to_dtype(q.scalar_type());
+  const cuda::KvFormat kv_format =
+      is_fp8_kv_cache(k_cache) ? cuda::KvFormat::kFp8E4M3 : cuda::KvFormat::kSameAsQ;
   auto q_aligned = [&](const at::Tensor& t) {
     return cuda::aligned16(t.data_ptr()) && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0;
   };
@@ -63,13 +65,14 @@ at::Tensor ragged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cac
   limits.max_splits = static_cast<int32_t>(cuda::test_limits().attn_max_splits.load());
   cuda::AttentionPlan plan =
       cuda::plan_attention(s.num_tokens, s.batch, s.num_q_heads, s.num_kv_heads, s.head_dim,
-                           s.block_size, s.max_blocks, dtype, aligned, num_sms, limits);
+                           s.block_size, s.max_blocks, dtype, kv_format, aligned, num_sms,
+                           limits);
   if (plan.tensor_cores &&
       plan.smem_bytes > static_cast<size_t>(cuda::device_attribute(
                             cudaDevAttrMaxSharedMemoryPerBlockOptin, device))) {
     plan = cuda::plan_attention(s.num_tokens, s.batch, s.num_q_heads, s.num_kv_heads, s.head_dim,
-                                s.block_size, s.max_blocks, dtype, /*aligned16=*/false, num_sms,
-                                limits);
+                                s.block_size, s.max_blocks, dtype, kv_format,
+                                /*aligned16=*/false, num_sms, limits);
   }
 
   // Split partials: part_o [rows, D], part_lse [rows], then the merge kernel's KV chunk (an

@@ -19,8 +19,10 @@ DEFAULT_KV_CAP_BYTES = 4 * 2**30
 DEFAULT_KV_SHARE = 0.5
 
 
-# kv_cache_dtype names (vLLM's) and the cache dtype each gives; "auto" is the activations'.
-KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+# kv_cache_dtype names (vLLM's; "fp8" is its name for fp8_e4m3) and the cache dtype each gives;
+# "auto" is the activations'.
+KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn,
+                   "fp8_e4m3": torch.float8_e4m3fn}
 # An int8 cache's row (one token's K or V of one KV head) ends in its float32 scale.
 INT8_SCALE_BYTES = 4
 
@@ -29,8 +31,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype,
                            device: torch.device | str) -> torch.dtype:
     """The KV cache's dtype for ``kv_cache_dtype`` with activations of ``dtype`` on ``device``:
     ``"auto"`` is ``dtype``; ``"int8"`` (per token and head scales) runs on CPU; ``"fp8_e4m3"``
-    names CUDA's, not built yet. ValueError naming the value for an unknown name or a
-    combination that does not run."""
+    (or ``"fp8"``: float8 e4m3 values without a scale, saturated at +-448) on CUDA. ValueError
+    naming the value for an unknown name or a combination that does not run."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} is not one of "
                          f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
@@ -40,13 +42,10 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype,
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} needs float32, bfloat16 or "
                          f"float16 activations, got {dtype}")
-    wanted = {"int8": "cpu", "fp8_e4m3": "cuda"}[kv_cache_dtype]
+    wanted = "cpu" if kv_cache_dtype == "int8" else "cuda"
     if device_type != wanted:
         raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} runs on {wanted} only, got "
                          f"device {device_type!r}")
-    if kv_cache_dtype == "fp8_e4m3":
-        raise ValueError("kv_cache_dtype: 'fp8_e4m3' is not implemented yet (the CUDA attention "
-                         "kernels read float caches only)")
     return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
@@ -165,11 +164,12 @@ class KVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads,
                  kv_row_width(config.head_dim, dtype))
+        nbytes = math.prod(shape) * dtype.itemsize
         if torch.device(device).type == "cpu":
-            nbytes = math.prod(shape) * dtype.itemsize
-            self.storage = huge_page_zeros(nbytes).view(dtype).view(shape)
-        else:
-            self.storage = torch.zeros(shape, dtype=dtype, device=device)
+            zeros = huge_page_zeros(nbytes)
+        else:  # zeroed as bytes: a float8 cache has no fill kernel of its own to rely on
+            zeros = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.storage = zeros.view(dtype).view(shape)
         self.layers = [(layer[0], layer[1]) for layer in self.storage]
         self.keys = [k for k, _ in self.layers]
         self.values = [v for _, v in self.layers]

@@ -96,10 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--kv-cache-memory", type=parse_size, default=None,
                       help="KV cache size in bytes, e.g. 4GiB")
     kv.add_argument("--block-size", type=_positive, default=16, help="KV block size in tokens")
-    kv.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
+    kv.add_argument("--kv-cache-dtype", default="auto",
+                    choices=["auto", "int8", "fp8", "fp8_e4m3"],
                     help="auto: the activations' dtype; int8 (CPU): per token and head scales, "
-                    "about 4x the tokens of float32 in the same memory; fp8_e4m3 (CUDA): not "
-                    "implemented yet, refused")
+                    "about 4x the tokens of float32 in the same memory; fp8 / fp8_e4m3 (CUDA): "
+                    "float8 e4m3 values, 2x the tokens of bfloat16")
     kv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                     default=None, help="reuse the KV of cached prompt prefixes (default: on for "
                     "the orca and paged policies; the request policy cannot)")

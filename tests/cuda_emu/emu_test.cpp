@@ -1,7 +1,7 @@
 // Executes the orca CUDA kernels (csrc/include/orca/cuda/*.cuh) on the CPU through the SIMT
 // emulation in orca_cuda_emulate.h and compares them with double-precision references.
 // Built and run by tests/test_cuda_emu.py; exits non-zero on a mismatch.
-//   emu_test [attention|attention_items|store_kv|linear|lora|all]
+//   emu_test [attention|attention_items|store_kv|fp8|linear|lora|all]
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -29,9 +29,11 @@ template <typename T> T cast(float v);
 template <> float cast<float>(float v) { return v; }
 template <> __half cast<__half>(float v) { return __float2half_rn(v); }
 template <> __nv_bfloat16 cast<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __nv_fp8_e4m3 cast<__nv_fp8_e4m3>(float v) { return __nv_fp8_e4m3(v); }
 float back(float v) { return v; }
 float back(__half v) { return __half2float(v); }
 float back(__nv_bfloat16 v) { return __bfloat162float(v); }
+float back(__nv_fp8_e4m3 v) { return static_cast<float>(v); }
 
 template <typename T> DType dtype_of();
 template <> DType dtype_of<float>() { return DType::kFloat32; }
@@ -67,15 +69,15 @@ struct AttnCase {
   int window = 0;            // sliding window (0: none)
 };
 
-template <typename T, int D>
+template <typename T, int D, typename KV>
 void run_tc(const AttentionParams& p, const AttentionPlan& plan) {
   const dim3 grid(static_cast<unsigned>(plan.grid_x), static_cast<unsigned>(p.num_kv_heads));
   if (plan.warps_m == 1) {
     orca_emu::launch(grid, dim3(kAttnThreads), plan.smem_bytes,
-                     [&] { attn::attention_tc_kernel<T, D, 1>(p); });
+                     [&] { attn::attention_tc_kernel<T, D, 1, KV>(p); });
   } else {
     orca_emu::launch(grid, dim3(kAttnThreads), plan.smem_bytes,
-                     [&] { attn::attention_tc_kernel<T, D, 4>(p); });
+                     [&] { attn::attention_tc_kernel<T, D, 4, KV>(p); });
   }
   if (plan.max_splits > 1) {
     const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_q_heads;
@@ -84,38 +86,40 @@ void run_tc(const AttentionParams& p, const AttentionPlan& plan) {
   }
 }
 
-template <typename T>
+template <typename T, typename KV>
 void run_attention(const AttentionParams& p, const AttentionPlan& plan) {
   if constexpr (!std::is_same_v<T, float>) {
     if (plan.tensor_cores) {
       switch (p.head_dim) {
-        case 32: return run_tc<T, 32>(p, plan);
-        case 64: return run_tc<T, 64>(p, plan);
-        case 80: return run_tc<T, 80>(p, plan);
-        case 96: return run_tc<T, 96>(p, plan);
-        case 128: return run_tc<T, 128>(p, plan);
+        case 32: return run_tc<T, 32, KV>(p, plan);
+        case 64: return run_tc<T, 64, KV>(p, plan);
+        case 80: return run_tc<T, 80, KV>(p, plan);
+        case 96: return run_tc<T, 96, KV>(p, plan);
+        case 128: return run_tc<T, 128, KV>(p, plan);
         default: break;
       }
     }
   }
   const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_q_heads;
   orca_emu::launch(dim3(static_cast<unsigned>((rows + 3) / 4)), dim3(128), 0,
-                   [&] { attn::attention_simple_kernel<T>(p); });
+                   [&] { attn::attention_simple_kernel<T, KV>(p); });
 }
 
-// One case's inputs, built once so that several plans can run on the same data.
-template <typename T>
+// One case's inputs, built once so that several plans can run on the same data; the cache
+// holds KV values (T's, or fp8 e4m3).
+template <typename T, typename KV = T>
 struct AttnData {
   int B = 0, T_ = 0, max_blocks = 1, NB = 0, q_heads_stride = 0, bad_r = -1;
   std::vector<int> cu, ctx;
   std::vector<int32_t> table;
-  std::vector<T> q, k, v;
+  std::vector<T> q;
+  std::vector<KV> k, v;
   float scale = 0;
 };
 
-template <typename T>
-AttnData<T> make_attention_data(const AttnCase& c) {
-  AttnData<T> d;
+template <typename T, typename KV = T>
+AttnData<T, KV> make_attention_data(const AttnCase& c) {
+  AttnData<T, KV> d;
   d.B = static_cast<int>(c.q_lens.size());
   const int B = d.B, bs = c.block_size;
   d.cu.assign(B + 1, 0);
@@ -158,18 +162,19 @@ AttnData<T> make_attention_data(const AttnCase& c) {
   for (auto& x : d.q) x = cast<T>(uniform(-1.f, 1.f));
   d.k.resize(static_cast<size_t>(d.NB) * bs * c.Hkv * c.D);
   d.v.resize(d.k.size());
-  for (auto& x : d.k) x = cast<T>(uniform(-1.f, 1.f));
-  for (auto& x : d.v) x = cast<T>(uniform(-1.f, 1.f));
+  for (auto& x : d.k) x = cast<KV>(uniform(-1.f, 1.f));
+  for (auto& x : d.v) x = cast<KV>(uniform(-1.f, 1.f));
   d.scale = 1.f / std::sqrt(static_cast<float>(c.D)) * 2.f;  // peakier softmax
   return d;
 }
 
 // Runs the kernels as the launcher would for `limits`; returns the output and the plan.
-template <typename T>
-std::vector<T> run_attention_case(const AttnCase& c, const AttnData<T>& d,
+template <typename T, typename KV>
+std::vector<T> run_attention_case(const AttnCase& c, const AttnData<T, KV>& d,
                                   const AttentionLimits& limits, AttentionPlan* plan_out) {
   const AttentionPlan plan =
       plan_attention(d.T_, d.B, c.Hq, c.Hkv, c.D, c.block_size, d.max_blocks, dtype_of<T>(),
+                     std::is_same_v<KV, T> ? KvFormat::kSameAsQ : KvFormat::kFp8E4M3,
                      /*aligned16=*/true, c.num_sms, limits);
   std::vector<T> out(static_cast<size_t>(d.T_) * c.Hq * c.D, cast<T>(NAN));
   // The launcher's workspace: part_o, part_lse, then the KV chunk (poisoned with NaNs).
@@ -202,15 +207,15 @@ std::vector<T> run_attention_case(const AttnCase& c, const AttnData<T>& d,
   p.max_splits = plan.max_splits;
   p.window = c.window < p.max_context ? c.window : 0;  // as the launcher sets it
   p.scale_log2 = d.scale * 1.4426950408889634f;
-  run_attention<T>(p, plan);
+  run_attention<T, KV>(p, plan);
   if (plan_out != nullptr) *plan_out = plan;
   return out;
 }
 
 // Largest |out - reference| over the compared requests (those without the bad block);
 // infinity when an output is not finite.
-template <typename T>
-double attention_error(const AttnCase& c, const AttnData<T>& d, const std::vector<T>& out) {
+template <typename T, typename KV>
+double attention_error(const AttnCase& c, const AttnData<T, KV>& d, const std::vector<T>& out) {
   const int g = c.Hq / c.Hkv, bs = c.block_size, D = c.D;
   double max_err = 0;
   for (int r = 0; r < d.B; ++r) {
@@ -226,7 +231,7 @@ double attention_error(const AttnCase& c, const AttnData<T>& d, const std::vecto
         double mx = -1e300;
         for (int j = j0; j <= pos; ++j) {
           const int blk = d.table[r * d.max_blocks + j / bs];
-          const T* krow = d.k.data() + ((static_cast<size_t>(blk) * bs + j % bs) * c.Hkv + h) * D;
+          const KV* krow = d.k.data() + ((static_cast<size_t>(blk) * bs + j % bs) * c.Hkv + h) * D;
           double dot = 0;
           for (int e = 0; e < D; ++e) dot += static_cast<double>(back(qrow[e])) * back(krow[e]);
           s[j] = dot * d.scale;
@@ -250,8 +255,8 @@ double attention_error(const AttnCase& c, const AttnData<T>& d, const std::vecto
   return max_err;
 }
 
-template <typename T>
-std::string plan_label(const AttnCase& c, const AttnData<T>& d, const AttentionPlan& plan) {
+template <typename T, typename KV>
+std::string plan_label(const AttnCase& c, const AttnData<T, KV>& d, const AttentionPlan& plan) {
   char buf[200];
   std::snprintf(buf, sizeof buf,
                 "D=%d Hq=%d Hkv=%d bs=%d B=%d T=%d %s%s splits<=%d grid=%lld window=%d", c.D,
@@ -262,12 +267,13 @@ std::string plan_label(const AttnCase& c, const AttnData<T>& d, const AttentionP
   return buf;
 }
 
-template <typename T>
+template <typename T, typename KV = T>
 void test_attention(const AttnCase& c, const std::string& label) {
-  const AttnData<T> d = make_attention_data<T>(c);
+  const AttnData<T, KV> d = make_attention_data<T, KV>(c);
   AttentionPlan plan;
   const std::vector<T> out = run_attention_case(c, d, c.limits, &plan);
-  const std::string what = "attention " + std::string(name_of<T>()) + " " + label + " ";
+  const std::string what = "attention " + std::string(name_of<T>()) +
+                           (std::is_same_v<KV, T> ? "" : " fp8-cache") + " " + label + " ";
   if (c.corrupt) {
     report(what + "(ran; memory safety only)", 0, 0);
     return;
@@ -447,6 +453,83 @@ void test_store_kv(int vb) {
       }
   }
   report(std::string("store_kv ") + name_of<T>() + " vec=" + std::to_string(vb), err, 0);
+}
+
+// The fp8 e4m3 cache: every path against the float64 attention over the cache's values.
+template <typename T>
+void fp8_cache_suite() {
+  using F8 = __nv_fp8_e4m3;
+  test_attention<T, F8>({8, 2, 64, 3, 2, {37, 1, 1, 70, 1}, {37, 90, 5, 200, 260}, 1}, "mixed");
+  test_attention<T, F8>({4, 1, 128, 16, 0, {1, 1, 1}, {700, 1300, 40}, 132}, "decode-split");
+  test_attention<T, F8>({2, 2, 96, 1, 5, {20, 3}, {600, 530}, 132}, "prefill-split bs=1");
+  test_attention<T, F8>({4, 2, 80, 8, 0, {1, 1, 1, 1}, {64, 65, 129, 1}, 132}, "decode-edges");
+  test_attention<T, F8>({8, 1, 32, 16, 1, {5, 1, 17}, {300, 77, 17}, 132}, "mqa");
+  test_attention<T, F8>({4, 2, 64, 16, 0, {3, 1}, {40, 300}, 132, true}, "bad block id");
+  test_attention<T, F8>(windowed({4, 1, 128, 16, 0, {1, 1, 1}, {700, 1300, 40}, 132}, 600),
+                        "window decode-split");
+  test_attention<T, F8>({4, 2, 64, 16, 0, {3, 1, 2}, {40, 300, 2}, 132, false, true}, "corrupt");
+}
+
+// store_kv into an fp8 cache: each stored byte is the e4m3 value nearest the input (ties to
+// even), checked against a search over all 256 codes; values past +-448 saturate.
+template <typename T>
+void test_store_kv_fp8() {
+  const int Tn = 5, H = 2, D = 48, slots = 16;
+  const int stride_t = (H + 1) * D;
+  std::vector<T> key(static_cast<size_t>(Tn) * stride_t), value(key.size());
+  for (auto& v : key) v = cast<T>(uniform(-500, 500) * (randint(0, 1) ? 1.f : 1e-3f));
+  for (auto& v : value) v = cast<T>(uniform(-2, 2));
+  key[3] = cast<T>(1e4f);
+  std::vector<uint8_t> kc(static_cast<size_t>(slots) * H * D, 0x11), vc(kc.size(), 0x11);
+  std::vector<int64_t> slot = {3, -1, 15, 0, 99};
+  StoreKvParams p{};
+  p.key = key.data();
+  p.value = value.data() + D;
+  p.k_cache = kc.data();
+  p.v_cache = vc.data();
+  p.slot_mapping = slot.data();
+  p.num_tokens = Tn;
+  p.num_slots = slots;
+  p.num_heads = H;
+  p.row_bytes = D;
+  p.key_stride_token = p.value_stride_token = stride_t * sizeof(T);
+  p.key_stride_head = p.value_stride_head = D * sizeof(T);
+  orca_emu::launch(dim3(Tn), dim3(64), 0, [&] { kvstore::store_kv_fp8_kernel<T>(p); });
+  // The nearest finite code by value (ties: the even code), saturating.
+  const auto nearest = [](float x) {
+    int best = 0;
+    double best_err = INFINITY;
+    for (int code = 0; code < 256; ++code) {
+      if ((code & 0x7f) == 0x7f) continue;  // NaN
+      __nv_fp8_e4m3 f;
+      f.__x = static_cast<__nv_fp8_storage_t>(code);
+      const double err = std::abs(static_cast<double>(static_cast<float>(f)) - x);
+      if (err < best_err || (err == best_err && (code & 1) == 0 && x != 0)) {
+        best = code;
+        best_err = err;
+      }
+    }
+    return static_cast<uint8_t>(best);
+  };
+  int wrong = 0;
+  for (int s = 0; s < slots; ++s) {
+    int src = -1;
+    for (int t = 0; t < Tn; ++t)
+      if (slot[t] == s) src = t;
+    for (int i = 0; i < H * D; ++i) {
+      const int h = i / D, d = i % D;
+      const uint8_t ek = src < 0 ? 0x11 : nearest(back(key[src * stride_t + h * D + d]));
+      const uint8_t ev = src < 0 ? 0x11 : nearest(back(value[src * stride_t + D + h * D + d]));
+      const uint8_t gk = kc[s * H * D + i], gv = vc[s * H * D + i];
+      // +0 and -0 both round a tiny input; either is the nearest value.
+      const auto same = [](uint8_t a, uint8_t b) { return a == b || ((a | b) & 0x7f) == 0; };
+      wrong += !same(gk, ek) + !same(gv, ev);
+    }
+  }
+  __nv_fp8_e4m3 saturated;
+  saturated.__x = kc[3 * H * D + 3];
+  report(std::string("store_kv fp8 from ") + name_of<T>(), wrong, 0,
+         static_cast<float>(saturated) == 448.f);
 }
 
 // ---- packed_linear kernels -----------------------------------------------------------------------
@@ -660,6 +743,17 @@ int main(int argc, char** argv) {
   if (which == "store_kv" || which == "all") {
     for (int vb : {16, 8, 4, 2}) test_store_kv<__nv_bfloat16>(vb);
     test_store_kv<float>(16);
+  }
+  if (which == "fp8" || which == "all") {
+    fp8_cache_suite<__nv_bfloat16>();
+    fp8_cache_suite<__half>();
+    test_attention<float, __nv_fp8_e4m3>({4, 2, 48, 5, 0, {6, 1}, {30, 70}, 132}, "fp32 simple");
+    test_attention<__nv_bfloat16, __nv_fp8_e4m3>({2, 1, 40, 4, 0, {3, 1}, {20, 50}, 132},
+                                                 "odd D -> simple");
+    for (auto f : {test_store_kv_fp8<float>, test_store_kv_fp8<__half>,
+                   test_store_kv_fp8<__nv_bfloat16>}) {
+      f();
+    }
   }
   if (which == "linear" || which == "all") {
     linear_suite<__nv_bfloat16>();

@@ -17,6 +17,8 @@
 // writes normalized fp32 partials + log2-sum-exp, merged by merge_kernel; unsplit requests
 // write the output directly. The chunk length is chosen on the device from the batch's longest
 // context (split_chunk), so it does not depend on how far the block table is padded.
+// An fp8 e4m3 cache (KV = __nv_fp8_e4m3) is copied by cp.async into fp8 stages of its own and
+// widened into the 16-bit stages once a tile has landed, so the MMA loop is the same.
 //
 // With a sliding window (p.window > 0) the query at pos sees keys (pos - window, pos]: a
 // request's KV splits cover only [kv_start, ctx), kv_start its first query's window start (the
@@ -94,8 +96,26 @@ __device__ __forceinline__ int find_request(const AttentionParams& p, int token)
 
 // ---- tensor-core kernel ----------------------------------------------------------------------
 
-template <typename T, int D, int WM>
+// Widens one BN x D fp8 tile (rows of D bytes) into a 16-bit tile of row stride LD.
+template <typename T, int D, int LD>
+__device__ __forceinline__ void widen_fp8_tile(const uint8_t* src, T* dst, int tid) {
+  constexpr int C8 = D / 8;  // 8-value chunks per row
+  for (int c = tid; c < kAttnBlockN * C8; c += kAttnThreads) {
+    const int row = c / C8, col = c % C8;
+    const uint2 raw = *reinterpret_cast<const uint2*>(src + row * D + col * 8);
+    uint4 wide;
+    wide.x = fp8x2_to<T>(static_cast<uint16_t>(raw.x));
+    wide.y = fp8x2_to<T>(static_cast<uint16_t>(raw.x >> 16));
+    wide.z = fp8x2_to<T>(static_cast<uint16_t>(raw.y));
+    wide.w = fp8x2_to<T>(static_cast<uint16_t>(raw.y >> 16));
+    *reinterpret_cast<uint4*>(dst + row * LD + col * 8) = wide;
+  }
+}
+
+template <typename T, int D, int WM, typename KV = T>
 __global__ void __launch_bounds__(kAttnThreads, 2) attention_tc_kernel(const AttentionParams p) {
+  constexpr bool kFp8 = std::is_same_v<KV, __nv_fp8_e4m3>;
+  static_assert(kFp8 || std::is_same_v<KV, T>, "the cache holds q's dtype or fp8 e4m3");
   constexpr int BM = 16 * WM;           // query rows per tile
   constexpr int BN = kAttnBlockN;       // KV positions per smem tile
   constexpr int WN = 4 / WM;            // warps sharing one 16-row slice (split the KV tile)
@@ -114,7 +134,10 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_tc_kernel(const Att
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + BM * LD;
   T* sV = sK + kAttnStages * BN * LD;
-  int* sPrefix = reinterpret_cast<int*>(sV + kAttnStages * BN * LD);
+  // fp8 stages (BN x D bytes each), present only for an fp8 cache.
+  uint8_t* sK8 = reinterpret_cast<uint8_t*>(sV + kAttnStages * BN * LD);
+  uint8_t* sV8 = sK8 + (kFp8 ? kAttnStages * BN * D : 0);
+  int* sPrefix = reinterpret_cast<int*>(sV8 + (kFp8 ? kAttnStages * BN * D : 0));
   float* sO = reinterpret_cast<float*>(sK);  // epilogue overlay of the K/V tiles
   float* sM = sO + WN * BM * LDO;
   float* sL = sM + WN * BM;
@@ -185,8 +208,8 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_tc_kernel(const Att
   const int total = sPrefix[B];
 
   const T* q_ptr = static_cast<const T*>(p.q);
-  const T* k_ptr = static_cast<const T*>(p.k_cache);
-  const T* v_ptr = static_cast<const T*>(p.v_cache);
+  const KV* k_ptr = static_cast<const KV*>(p.k_cache);
+  const KV* v_ptr = static_cast<const KV*>(p.v_cache);
 
   for (int item = blockIdx.x; item < total; item += gridDim.x) {
     // 3. Decode the item.
@@ -233,12 +256,13 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_tc_kernel(const Att
       }
       cp_async16(sQ + row * LD + col * 8, src, valid);
     }
+    // cp.async of KV tile t into `stage`: 16-byte chunks of 8 16-bit or 16 fp8 values.
+    constexpr int CHUNK = 16 / sizeof(KV);  // values per chunk
+    constexpr int CHK = D / CHUNK;          // chunks per row
     auto load_kv = [&](int t, int stage) {
       const int kv0 = kv_lo + t * BN;
-      T* dk = sK + stage * BN * LD;
-      T* dv = sV + stage * BN * LD;
-      for (int c = tid; c < BN * CH; c += kAttnThreads) {
-        const int row = c / CH, col = c % CH, kv = kv0 + row;
+      for (int c = tid; c < BN * CHK; c += kAttnThreads) {
+        const int row = c / CHK, col = c % CHK, kv = kv0 + row;
         bool valid = kv < kv_hi;
         int64_t off = 0;
         if (valid) {
@@ -253,11 +277,16 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_tc_kernel(const Att
           const int blk = __ldg(blocks + bi);
           valid = blk >= 0 && blk < p.num_blocks;
           off = valid ? ((static_cast<int64_t>(blk) * p.block_size + bo) * p.num_kv_heads + h) *
-                                D + col * 8
+                                D + col * CHUNK
                       : 0;
         }
-        cp_async16(dk + row * LD + col * 8, k_ptr + off, valid);
-        cp_async16(dv + row * LD + col * 8, v_ptr + off, valid);
+        if constexpr (kFp8) {
+          cp_async16(sK8 + (stage * BN + row) * D + col * CHUNK, k_ptr + off, valid);
+          cp_async16(sV8 + (stage * BN + row) * D + col * CHUNK, v_ptr + off, valid);
+        } else {
+          cp_async16(sK + (stage * BN + row) * LD + col * CHUNK, k_ptr + off, valid);
+          cp_async16(sV + (stage * BN + row) * LD + col * CHUNK, v_ptr + off, valid);
+        }
       }
     };
 #pragma unroll
@@ -281,10 +310,16 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_tc_kernel(const Att
     for (int t = 0; t < n_kv_tiles; ++t) {
       cp_async_wait<kAttnStages - 2>();
       __syncthreads();
+      if constexpr (kFp8) {  // tile t has landed in its fp8 stage: widen it
+        const int st = t % kAttnStages;
+        widen_fp8_tile<T, D, LD>(sK8 + st * BN * D, sK + st * BN * LD, tid);
+        widen_fp8_tile<T, D, LD>(sV8 + st * BN * D, sV + st * BN * LD, tid);
+      }
       if (t + kAttnStages - 1 < n_kv_tiles) {
         load_kv(t + kAttnStages - 1, (t + kAttnStages - 1) % kAttnStages);
       }
       cp_async_commit();
+      if constexpr (kFp8) __syncthreads();  // the widened tile is visible to every warp
       if (!warp_active) continue;
       if (t == 0) {
 #pragma unroll
@@ -502,7 +537,7 @@ __global__ void __launch_bounds__(128) merge_kernel(const AttentionParams p) {
 
 // ---- simple CUDA-core kernel (fp32, head dims without a tensor-core kernel) ------------------
 // One warp per (token, query head) row; lane j holds dims j, j + 32, ... (head_dim <= 256).
-template <typename T>
+template <typename T, typename KV = T>
 __global__ void __launch_bounds__(128) attention_simple_kernel(const AttentionParams p) {
   constexpr int kMaxPerLane = 8;
   const int64_t row_id = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
@@ -525,8 +560,8 @@ __global__ void __launch_bounds__(128) attention_simple_kernel(const AttentionPa
     qv[j] = d < D ? to_float<T>(qrow[d]) * p.scale_log2 : 0.f;
     acc[j] = 0.f;
   }
-  const T* kc = static_cast<const T*>(p.k_cache);
-  const T* vc = static_cast<const T*>(p.v_cache);
+  const KV* kc = static_cast<const KV*>(p.k_cache);
+  const KV* vc = static_cast<const KV*>(p.v_cache);
   const int32_t* blocks = p.block_table + static_cast<int64_t>(r) * p.max_blocks;
   float m = neg_inf(), l = 0.f;
   for (int kv = window_start(p, pos); kv < kv_end; ++kv) {
@@ -538,7 +573,7 @@ __global__ void __launch_bounds__(128) attention_simple_kernel(const AttentionPa
 #pragma unroll
     for (int j = 0; j < kMaxPerLane; ++j) {
       const int d = lane + 32 * j;
-      if (d < D) dot += qv[j] * to_float<T>(kc[base + d]);
+      if (d < D) dot += qv[j] * to_float<KV>(kc[base + d]);
     }
     dot = warp_sum(dot);
     const float m_new = fmaxf(m, dot);
@@ -547,7 +582,7 @@ __global__ void __launch_bounds__(128) attention_simple_kernel(const AttentionPa
 #pragma unroll
     for (int j = 0; j < kMaxPerLane; ++j) {
       const int d = lane + 32 * j;
-      acc[j] = acc[j] * alpha + (d < D ? pe * to_float<T>(vc[base + d]) : 0.f);
+      acc[j] = acc[j] * alpha + (d < D ? pe * to_float<KV>(vc[base + d]) : 0.f);
     }
     m = m_new;
   }

@@ -4,6 +4,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -31,6 +32,9 @@ template <> __device__ __forceinline__ float to_float<__half>(__half v) { return
 template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
   return __bfloat162float(v);
 }
+template <> __device__ __forceinline__ float to_float<__nv_fp8_e4m3>(__nv_fp8_e4m3 v) {
+  return static_cast<float>(v);
+}
 
 template <typename T> __device__ __forceinline__ T from_float(float v);
 template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
@@ -50,6 +54,24 @@ template <> __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) 
 template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
   __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
   return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// Two fp8 e4m3 values (low byte first) widened exactly into two 16-bit elements of T (every
+// e4m3 value is a half and a bfloat16).
+template <typename T> __device__ __forceinline__ uint32_t fp8x2_to(uint16_t two);
+template <> __device__ __forceinline__ uint32_t fp8x2_to<__half>(uint16_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+template <> __device__ __forceinline__ uint32_t fp8x2_to<__nv_bfloat16>(uint16_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
+  return pack2<__nv_bfloat16>(__half2float(__half(__half_raw{h.x})),
+                              __half2float(__half(__half_raw{h.y})));
+}
+
+// x rounded to the nearest fp8 e4m3 value (ties to even), saturated at +-448.
+__device__ __forceinline__ __nv_fp8_storage_t float_to_fp8(float x) {
+  return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
 }
 
 #ifndef ORCA_CUDA_EMULATE

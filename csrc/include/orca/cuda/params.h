@@ -14,6 +14,10 @@ namespace orca::cuda {
 
 enum class DType { kFloat32, kFloat16, kBFloat16 };
 
+// How the KV cache stores K and V: in q's dtype, or as float8 e4m3 values (kv_cache_dtype
+// "fp8_e4m3", no scale), widened to q's dtype when read.
+enum class KvFormat { kSameAsQ, kFp8E4M3 };
+
 inline int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // ---- ragged_attention ------------------------------------------------------------------------
@@ -34,7 +38,7 @@ inline bool attention_tc_head_dim(int d) {
 struct AttentionParams {
   const void* q;  // [T, Hq, D], last dim contiguous
   int64_t q_stride_token, q_stride_head;  // in elements
-  const void* k_cache;  // [num_blocks, block_size, Hkv, D] contiguous
+  const void* k_cache;  // [num_blocks, block_size, Hkv, D] contiguous, q's dtype or fp8 (plan)
   const void* v_cache;
   void* out;            // [T, Hq, D] contiguous
   float* part_o;        // [T * Hq * max_splits, D]   split partials (normalized), or null
@@ -58,6 +62,7 @@ struct AttentionParams {
 // so a block table padded past the contexts (as for CUDA graphs) only bounds max_splits.
 struct AttentionPlan {
   bool tensor_cores = false;  // false: the simple CUDA-core kernel (fp32, odd head dims)
+  KvFormat kv_format = KvFormat::kSameAsQ;
   int warps_m = 4;            // query-row warps per CTA: 4 (prefill, 64 rows) or 1 (decode, 16)
   int32_t max_splits = 1;     // most KV splits of one request
   int64_t grid_x = 0;         // CTAs per KV head (they loop over the device-side work list)
@@ -72,11 +77,17 @@ struct AttentionLimits {
   int32_t max_splits = 0;  // KV splits of one request
 };
 
-inline size_t attention_smem_bytes(int warps_m, int head_dim, int batch) {
+// The tensor-core kernel's dynamic shared memory: the Q tile and the K/V stages in q's 16-bit
+// dtype, an fp8 cache's K/V stages as read (widened into the 16-bit stages), then the
+// per-request prefix.
+inline size_t attention_smem_bytes(int warps_m, int head_dim, int batch, KvFormat kv_format) {
   const size_t row = static_cast<size_t>(head_dim + kAttnPad) * 2;  // 16-bit elements
   const size_t tiles = (16 * warps_m + 2 * kAttnStages * kAttnBlockN) * row;
+  const size_t fp8_tiles = kv_format == KvFormat::kFp8E4M3
+                               ? static_cast<size_t>(2 * kAttnStages * kAttnBlockN) * head_dim
+                               : 0;
   const size_t prefix = ((static_cast<size_t>(batch) + 1) * 4 + 15) / 16 * 16;
-  return tiles + prefix;
+  return tiles + fp8_tiles + prefix;
 }
 
 inline int32_t block_size_shift(int64_t block_size) {
@@ -93,9 +104,10 @@ inline int32_t attention_max_context(int64_t block_size, int64_t max_blocks) {
 
 inline AttentionPlan plan_attention(int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                                     int64_t block_size, int64_t max_blocks, DType dtype,
-                                    bool aligned16, int num_sms,
+                                    KvFormat kv_format, bool aligned16, int num_sms,
                                     const AttentionLimits& limits = {}) {
   AttentionPlan p;
+  p.kv_format = kv_format;
   // The block table's capacity bounds the contexts (the kernel clamps them to it).
   const int64_t ctx_cap = std::max<int64_t>(1, attention_max_context(block_size, max_blocks));
   p.tensor_cores = dtype != DType::kFloat32 && attention_tc_head_dim(static_cast<int>(D)) &&
@@ -129,7 +141,8 @@ inline AttentionPlan plan_attention(int64_t T, int64_t B, int64_t Hq, int64_t Hk
   // once, then loops over its items.
   p.grid_x = std::max<int64_t>(1, std::min(items, div_up(8 * int64_t{num_sms}, Hkv)));
   if (limits.max_ctas > 0) p.grid_x = std::min(p.grid_x, limits.max_ctas);
-  p.smem_bytes = attention_smem_bytes(p.warps_m, static_cast<int>(D), static_cast<int>(B));
+  p.smem_bytes =
+      attention_smem_bytes(p.warps_m, static_cast<int>(D), static_cast<int>(B), kv_format);
   return p;
 }
 
@@ -145,10 +158,13 @@ struct StoreKvParams {
   void* k_cache;      // [num_slots, H, D] contiguous
   void* v_cache;
   const int64_t* slot_mapping;  // [T]
-  int64_t num_tokens, num_slots, num_heads, row_bytes;         // row = D elements
+  int64_t num_tokens, num_slots, num_heads, row_bytes;         // a cache row: D elements
   int64_t key_stride_token, key_stride_head, value_stride_token, value_stride_head;  // bytes
 };
+// A cache in key's dtype: rows copied as they are.
 cudaError_t launch_store_kv(const StoreKvParams& p, cudaStream_t stream);
+// An fp8 cache (row_bytes = D): key/value of `key_dtype` rounded to nearest even, saturated.
+cudaError_t launch_store_kv_fp8(const StoreKvParams& p, DType key_dtype, cudaStream_t stream);
 
 // ---- apply_token_bitmask -----------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-// Torch-free CUDA kernel of store_kv: copy each new token's K and V rows into its cache slot.
+// Torch-free CUDA kernels of store_kv: copy each new token's K and V rows into its cache slot.
 // One CTA per token; its threads copy the token's [H, D] rows in VB-byte vectors. A negative
 // slot means "do not store"; a slot past the cache is skipped too (the CUDA launcher cannot
 // check slot values on the host without a sync).
@@ -33,6 +33,26 @@ __global__ void __launch_bounds__(128) store_kv_kernel(const StoreKvParams p) {
     const V vv = *reinterpret_cast<const V*>(value + h * p.value_stride_head + off);
     *reinterpret_cast<V*>(kdst + h * p.row_bytes + off) = kv;
     *reinterpret_cast<V*>(vdst + h * p.row_bytes + off) = vv;
+  }
+}
+
+// The same for an fp8 cache (row_bytes = D): each key/value element of T rounded to fp8 e4m3.
+template <typename T>
+__global__ void __launch_bounds__(128) store_kv_fp8_kernel(const StoreKvParams p) {
+  const int64_t t = blockIdx.x;
+  const int64_t slot = __ldg(p.slot_mapping + t);
+  if (slot < 0 || slot >= p.num_slots) return;
+  const int64_t D = p.row_bytes, n = p.num_heads * D;
+  const char* key = static_cast<const char*>(p.key) + t * p.key_stride_token;
+  const char* value = static_cast<const char*>(p.value) + t * p.value_stride_token;
+  auto* kdst = static_cast<__nv_fp8_storage_t*>(p.k_cache) + slot * n;
+  auto* vdst = static_cast<__nv_fp8_storage_t*>(p.v_cache) + slot * n;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int64_t h = i / D, d = i % D;
+    const T k = reinterpret_cast<const T*>(key + h * p.key_stride_head)[d];
+    const T v = reinterpret_cast<const T*>(value + h * p.value_stride_head)[d];
+    kdst[i] = float_to_fp8(to_float<T>(k));
+    vdst[i] = float_to_fp8(to_float<T>(v));
   }
 }
 
