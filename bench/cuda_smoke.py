@@ -1,6 +1,6 @@
 """One case per CUDA kernel path against the reference, each followed by a synchronize.
 
-    python3 bench/cuda_smoke.py [--small] [--after CASE] [--model] [--list]
+    python3 bench/cuda_smoke.py [--small] [--no-cublas] [--after CASE] [--model] [--list]
 
 The cases are tests/test_cuda.py's (its references and tolerances), picked to reach every kernel
 path once and run in a fixed order. Prints ``OK <case>`` or ``FAIL <case> <error>`` (flushed) as
@@ -8,7 +8,8 @@ each case ends, so that a fault - which the synchronize after each case surfaces
 case even when it kills the process. An illegal address poisons the CUDA context and every later
 case would fail with the same error: the script then prints ``ABORT <case>`` and exits 2; rerun
 with ``--after <case>`` (in a new process) for the rest. ``--small`` keeps the cases
-compute-sanitizer can afford; ``--model`` compares orca-tiny's logits on CUDA (CUDA graphs on)
+compute-sanitizer can afford; ``--no-cublas`` skips the cases whose GEMMs are cuBLAS's (their own
+kernels use no shared memory, so racecheck has nothing of ours to check there); ``--model`` compares orca-tiny's logits on CUDA (CUDA graphs on)
 with the CPU's instead. Exit status: 0 all OK, 1 some FAIL, 2 aborted. Run it outside the
 source tree so that the installed build of orca_ext is imported (bench/gpu_check.sh does).
 """
@@ -30,11 +31,11 @@ from orca_ext import ops  # noqa: E402
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 ACTIVATIONS = ("none", "gelu_tanh", "relu", "silu_and_mul")
 Case = Callable[[], None]
-CASES: list[tuple[str, str, bool, Case]] = []  # (name, what it covers, small, run)
+CASES: list[tuple[str, str, bool, bool, Case]] = []  # (name, what, small, cublas, run)
 
 
-def case(name: str, what: str, run: Case, small: bool = True) -> None:
-    CASES.append((name, what, small, run))
+def case(name: str, what: str, run: Case, small: bool = True, cublas: bool = False) -> None:
+    CASES.append((name, what, small, cublas, run))
 
 
 def each(*runs: Case) -> Case:
@@ -108,12 +109,13 @@ case("linear-skinny", "skinny kernel (T <= 8), every activation, bf16 and fp32",
      each(*(lambda a=a: linear(BF16, a, 3, 256) for a in ACTIVATIONS),
           *(lambda a=a: linear(FP32, a, 8, 256) for a in ACTIVATIONS)))
 case("linear-cublaslt", "cuBLASLt with fused epilogues (T = 64), every activation, fp16",
-     each(*(lambda a=a: linear(FP16, a, 64, 256) for a in ACTIVATIONS)))
+     each(*(lambda a=a: linear(FP16, a, 64, 256) for a in ACTIVATIONS)), cublas=True)
 case("linear-no-epilogue", "linear_no_epilogue: plain GEMM + bias/activation kernel",
      each(*(lambda a=a: tc.test_packed_linear_without_cublaslt_epilogue(BF16, a)
-            for a in ACTIVATIONS)))
+            for a in ACTIVATIONS)), cublas=True)
 case("linear-odd-k", "K not a multiple of 8: cuBLASLt at any T",
-     each(lambda: linear(FP16, "gelu_tanh", 3, 100), lambda: linear(BF16, "silu_and_mul", 9, 100)))
+     each(lambda: linear(FP16, "gelu_tanh", 3, 100), lambda: linear(BF16, "silu_and_mul", 9, 100)),
+     cublas=True)
 
 
 def linear_norm_residual() -> None:
@@ -129,7 +131,7 @@ def linear_norm_residual() -> None:
 
 
 case("linear-norm-residual", "input layer norm and residual (ATen around the kernels)",
-     linear_norm_residual)
+     linear_norm_residual, cublas=True)
 
 # ---- concurrency, CUDA graphs, large allocations -----------------------------------------
 case("graph-decode-step", "linear -> store_kv -> attention captured, replayed with new metadata",
@@ -201,13 +203,16 @@ def context_poisoned() -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="only the sanitizer-sized cases")
+    parser.add_argument("--no-cublas", action="store_true",
+                        help="skip the cases whose GEMMs are cuBLAS's")
     parser.add_argument("--after", help="skip the cases up to and including this one")
     parser.add_argument("--model", action="store_true", help="the orca-tiny check instead")
     parser.add_argument("--list", action="store_true", help="print the case names")
     args = parser.parse_args(argv)
     if args.list:
-        for name, what, small, _ in CASES:
-            print(f"{name:<24} {what}{'' if small else '  (not --small)'}")
+        for name, what, small, cublas, _ in CASES:
+            print(f"{name:<24} {what}{'' if small else '  (not --small)'}"
+                  f"{'  (cuBLAS)' if cublas else ''}")
         return 0
     if not (torch.cuda.is_available() and orca_ext.has_cuda()):
         print("FAIL setup no GPU or no CUDA build of orca_ext "
@@ -218,14 +223,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{Path(orca_ext.__file__).parent}", flush=True)
     if args.model:
         return 0 if model_check() else 1
-    names = [name for name, _, _, _ in CASES]
+    names = [name for name, *_ in CASES]
     if args.after is not None and args.after not in names:
         print(f"FAIL setup --after: no case named {args.after!r}", flush=True)
         return 1
     start = names.index(args.after) + 1 if args.after is not None else 0
     failures = 0
-    for name, _, small, run in CASES[start:]:
-        if args.small and not small:
+    for name, _, small, cublas, run in CASES[start:]:
+        if (args.small and not small) or (args.no_cublas and cublas):
             continue
         try:
             run()

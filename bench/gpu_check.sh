@@ -331,18 +331,20 @@ sanitize_once() {  # sanitize_once TOOL OUTFILE [SMOKE ARGS...]: one process und
   return "${PIPESTATUS[0]}"
 }
 
-sanitizer() {  # sanitizer TOOL: the smoke's small cases; after an abort a new process runs the rest
+sanitizer() {  # sanitizer TOOL [SMOKE ARGS...]: the smoke's small cases; after an abort a new
+  # process runs the rest
   export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # every allocation its own, so overruns are seen
-  local out rc=0 status round after=()
+  local tool=$1 out rc=0 status round after=()
+  shift
   out=$(mktemp "$WORK/sanitizer.XXXX")
   for round in 1 2 3 4; do
-    sanitize_once "$1" "$out" "${after[@]}"
+    sanitize_once "$tool" "$out" "$@" "${after[@]}"
     status=$?
     (( status != 0 )) && rc=$status
     local aborted
     aborted=$(grep -E '^ABORT ' "$out" | tail -n 1 | cut -d' ' -f2)
     [[ -z "$aborted" ]] && return "$rc"
-    echo "(context lost after $aborted: a new process runs the rest under $1)"
+    echo "(context lost after $aborted: a new process runs the rest under $tool)"
     after=(--after "$aborted")
   done
   return 1
@@ -363,8 +365,11 @@ run_step "smoke: bench/cuda_smoke.py" 90 20 "$OUT/smoke.log" bash -c smoke_round
 if command -v compute-sanitizer >/dev/null; then
   run_step "compute-sanitizer memcheck (smoke --small)" 75 25 "$OUT/sanitizer.log" \
     bash -c "sanitizer memcheck"
-  run_step "compute-sanitizer racecheck (smoke --small)" 55 25 "$OUT/sanitizer.log" \
-    bash -c "sanitizer racecheck"
+  # racecheck checks shared-memory hazards; on the H200 it stops with an internal error inside
+  # cuBLAS's own GEMMs (torch's x @ w.t() alone trips it), and the cuBLAS cases' orca kernels
+  # use no shared memory: those cases are left to memcheck and synccheck.
+  run_step "compute-sanitizer racecheck (smoke --small --no-cublas)" 55 25 "$OUT/sanitizer.log" \
+    bash -c "sanitizer racecheck --no-cublas"
   run_step "compute-sanitizer synccheck (smoke --small)" 45 25 "$OUT/sanitizer.log" \
     bash -c "sanitizer synccheck"
 else
