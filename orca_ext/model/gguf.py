@@ -71,7 +71,7 @@ class GGUFFile:
         try:
             from gguf import GGML_QUANT_SIZES
 
-            from .gguf_reader import GGUFArrayReader
+            from .gguf_reader import GGUFArrayReader, contents
         except ImportError:
             raise ValueError(f"{self.path}: reading GGUF files needs the 'gguf' package "
                              "(pip install gguf)") from None
@@ -83,7 +83,7 @@ class GGUFFile:
         self.metadata: dict[str, Any] = {}
         for key, field in reader.fields.items():
             try:
-                self.metadata[key] = field.contents()
+                self.metadata[key] = contents(field)
             except Exception as e:
                 raise ValueError(f"{self.path}: metadata {key!r} does not decode ({e})") from None
         loadable = _tensor_types()
