@@ -266,6 +266,8 @@ def _load_model(name_or_path: str, dtype: torch.dtype | str, device: torch.devic
     else:
         load_hf_weights(model, weight_map, checkpoint, family.IGNORED_HF_WEIGHTS, skip=plan)
         load_quantized_weights(model, weight_map, checkpoint, plan)
+        if info.gguf is not None:
+            info.gguf.release_pages()
     return LoadedModel(info, model)
 
 
