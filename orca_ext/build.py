@@ -37,9 +37,11 @@ def build_engine(config: EngineConfig) -> Engine:
                     info)
     if config.device.startswith("cpu") and not config.distributed:
         _reuse_freed_memory()
-    # The model, the tokenizer and the engine live long: collected once, then frozen out of the
-    # cyclic collector's generations, whose passes then visit only the requests' objects.
-    gc.collect()
+    # The model, the tokenizer and the engine live long: the garbage of their build (the young
+    # generations: a full pass would visit every imported module's objects too) collected, then
+    # all frozen out of the cyclic collector's generations, whose passes then visit only the
+    # requests' objects.
+    gc.collect(1)
     gc.freeze()
     return engine
 

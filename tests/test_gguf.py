@@ -4,6 +4,7 @@ tokenizer against transformers' GGUF tokenizer, and every bad-file case by its m
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -150,6 +151,31 @@ def test_folder_with_one_gguf_loads_it(files, tmp_path):
     (tmp_path / "b.gguf").write_bytes(file.read_bytes())
     with pytest.raises(ValueError, match="2 .gguf files.*name one"):
         load_model_info(str(tmp_path))
+
+
+def _mapped_kb(path) -> int:
+    """This process's resident KB of ``path``'s mappings (/proc/self/smaps)."""
+    resident, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            resident += int(line.split()[1])
+    return resident
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc/self/smaps")
+def test_loaded_gguf_leaves_no_file_pages_mapped_and_reads_again(files, tmp_path):
+    _, file = files["qwen2"]
+    copy = tmp_path / "copy.gguf"  # a file no other test of this process has mapped
+    copy.write_bytes(file.read_bytes())
+    loaded = load_model(str(copy))
+    gguf_file = loaded.info.gguf
+    assert _mapped_kb(copy) == 0  # the weights were copied out; the file's pages unmapped
+    theirs = gguf.GGUFReader(file)
+    for tensor in theirs.tensors:  # the tensors read again, from the page cache
+        assert np.array_equal(gguf_file.tensors[tensor.name].data, tensor.data), tensor.name
+    assert _mapped_kb(copy) > 0
 
 
 def _bad(tmp_path, **kwargs):

@@ -16,7 +16,7 @@ from transformers.tokenization_utils_base import generate_merges
 from orca_ext.model import gguf_tokenizer as gguf_tokenizer_module
 from orca_ext.model.builtin import DEFAULT_MODEL, builtin_gguf_path
 from orca_ext.model.gguf import GGUFFile
-from orca_ext.model.gguf_reader import GGUFArrayReader
+from orca_ext.model.gguf_reader import GGUFArrayReader, contents
 from orca_ext.model.gguf_tokenizer import gguf_tokenizer, merges_from_scores
 
 # Gemma's chat turns, its other control and user-defined tokens as text, runs of every kind of
@@ -188,6 +188,7 @@ def test_array_reader_reads_what_gguf_reads(which, tmp_path):
         mine = ours.fields[key]
         assert (mine.contents(), mine.types, mine.offset) == \
             (field.contents(), field.types, field.offset), key
+        assert contents(mine) == field.contents(), key
     assert ours.data_offset == theirs.data_offset
     assert [(t.name, t.tensor_type, list(t.shape), t.data_offset, t.n_bytes)
             for t in ours.tensors] == [(t.name, t.tensor_type, list(t.shape), t.data_offset,

@@ -10,6 +10,7 @@ quantized path); ``gguf_tokenizer`` (in gguf_tokenizer.py) rebuilds the tokenize
 """
 from __future__ import annotations
 
+import mmap
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +72,7 @@ class GGUFFile:
         try:
             from gguf import GGML_QUANT_SIZES
 
-            from .gguf_reader import GGUFArrayReader
+            from .gguf_reader import GGUFArrayReader, contents
         except ImportError:
             raise ValueError(f"{self.path}: reading GGUF files needs the 'gguf' package "
                              "(pip install gguf)") from None
@@ -80,10 +81,11 @@ class GGUFFile:
         except Exception as e:  # the reader raises whatever its parser hits on a bad file
             raise ValueError(f"{self.path}: not a readable GGUF file "
                              f"({type(e).__name__}: {e})") from None
+        self._mapping = reader.data.base  # the file's mmap.mmap, which the tensors view
         self.metadata: dict[str, Any] = {}
         for key, field in reader.fields.items():
             try:
-                self.metadata[key] = field.contents()
+                self.metadata[key] = contents(field)
             except Exception as e:
                 raise ValueError(f"{self.path}: metadata {key!r} does not decode ({e})") from None
         loadable = _tensor_types()
@@ -105,6 +107,13 @@ class GGUFFile:
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"{self.path}: unsupported architecture {self.architecture!r}; "
                              f"supported: {', '.join(ARCHITECTURES)}")
+
+    def release_pages(self) -> None:
+        """Unmap the file's pages from this process (they stay in the page cache, and a later
+        read of a tensor maps them again): once the weights are copied out, the file no longer
+        counts in its resident memory."""
+        if isinstance(self._mapping, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+            self._mapping.madvise(mmap.MADV_DONTNEED)
 
     def value(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)

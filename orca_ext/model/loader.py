@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 from collections.abc import Iterator
@@ -215,6 +216,20 @@ def open_checkpoint(info: ModelInfo) -> Checkpoint:
     return SafetensorsCheckpoint(info.folder, model_family(info.config).canonical_hf_name)
 
 
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off: a load makes a few hundred thousand long-lived objects
+    (a vocabulary's strings and merges, the modules), over which its passes would run again and
+    again while they are made."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def load_model(name_or_path: str, dtype: torch.dtype | str = "float32",
                device: torch.device | str = "cpu",
                quantization: str | None = None) -> LoadedModel:
@@ -222,6 +237,12 @@ def load_model(name_or_path: str, dtype: torch.dtype | str = "float32",
     folder (config.json, *.safetensors or a sharded index, tokenizer.json, optional
     generation_config.json) or a GGUF file (or a folder holding exactly one). ``quantization``
     as ``quantized.py`` describes it: None runs a GGUF file's quantized tensors as stored."""
+    with _cyclic_gc_paused():
+        return _load_model(name_or_path, dtype, device, quantization)
+
+
+def _load_model(name_or_path: str, dtype: torch.dtype | str, device: torch.device | str,
+                quantization: str | None) -> LoadedModel:
     dtype = resolve_dtype(dtype, device, runs_quantized(name_or_path, quantization, device))
     if quantization is None and torch.device(device).type != "cpu":
         quantization = "none"
@@ -245,6 +266,8 @@ def load_model(name_or_path: str, dtype: torch.dtype | str = "float32",
     else:
         load_hf_weights(model, weight_map, checkpoint, family.IGNORED_HF_WEIGHTS, skip=plan)
         load_quantized_weights(model, weight_map, checkpoint, plan)
+        if info.gguf is not None:
+            info.gguf.release_pages()
     return LoadedModel(info, model)
 
 
