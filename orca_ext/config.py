@@ -40,8 +40,9 @@ class EngineConfig:
     ``SpeculativeConfig``) turns on speculative decoding (``spec_decode``). ``kv_cache_dtype``
     (``kv.resolve_kv_cache_dtype``): ``"auto"`` keeps K/V in the activations' dtype, ``"int8"``
     stores them with a scale per token and KV head (CPU, one process), ``"fp8_e4m3"`` (or
-    ``"fp8"``) as float8 e4m3 values (CUDA, one process), so the KV budget holds more tokens. ``enable_lora`` serves LoRA adapters (``lora/``): up to ``max_loras`` of them
-    in one batch, of rank up to ``max_lora_rank``, and the tensors of ``max_cpu_loras`` (default
+    ``"fp8"``) as float8 e4m3 values (CUDA, one process), so the KV budget holds more tokens.
+    ``enable_lora`` serves LoRA adapters (``lora/``): up to ``max_loras`` of them in one batch,
+    of rank up to ``max_lora_rank``, and the tensors of ``max_cpu_loras`` (default
     ``max_loras``) kept on the CPU; distributed workers each keep their share of them.
     ``check_kv_writes`` (debugging) checks every batch's KV writes against its requests' blocks
     before it runs: a write into a cached, possibly shared block raises."""
