@@ -10,8 +10,9 @@ case would fail with the same error: the script then prints ``ABORT <case>`` and
 with ``--after <case>`` (in a new process) for the rest. ``--small`` keeps the cases
 compute-sanitizer can afford; ``--no-cublas`` skips the cases whose GEMMs are cuBLAS's (their
 own kernels use no shared memory, so racecheck has nothing of ours to check there); ``--model``
-compares orca-tiny's logits on CUDA (CUDA graphs on) with the CPU's instead. Exit status: 0 all OK, 1 some FAIL, 2 aborted. Run it outside the
-source tree so that the installed build of orca_ext is imported (bench/gpu_check.sh does).
+compares orca-tiny's logits on CUDA (CUDA graphs on) with the CPU's instead. Exit status: 0 all
+OK, 1 some FAIL, 2 aborted. Run it outside the source tree so that the installed build of
+orca_ext is imported (bench/gpu_check.sh does).
 """
 from __future__ import annotations
 

@@ -5,12 +5,12 @@ with the host C++ compiler against a SIMT emulation (tests/cuda_emu/orca_cuda_em
 thread per CUDA thread, warp collectives - shuffles, ldmatrix, mma.sync m16n8k16 - computed as
 the PTX ISA specifies, deferred cp.async, 16-byte alignment of cp.async / ldmatrix addresses
 checked) and compares every attention path (tensor-core prefill and decode tiles, split-KV +
-merge, the simple kernel), store_kv and the linear epilogue kernels with float64 references (also on an fp8 e4m3 KV
-cache: attention over the cache's values, store_kv's rounding against the nearest code);
-``attention_items`` runs batches of over 128 requests on grids capped to a few CTAs and checks
-that neither the grid nor a padded block table changes an output bit. This checks indexing,
-fragment layouts, masking and the work partition on machines without a GPU; it says nothing
-about speed. Needs the CUDA headers (cuda_bf16.h),
+merge, the simple kernel), store_kv and the linear epilogue kernels with float64 references
+(also on an fp8 e4m3 KV cache: attention over the cache's values, store_kv's rounding against
+the nearest code); ``attention_items`` runs batches of over 128 requests on grids capped to a
+few CTAs and checks that neither the grid nor a padded block table changes an output bit. This
+checks indexing, fragment layouts, masking and the work partition on machines without a GPU; it
+says nothing about speed. Needs the CUDA headers (cuda_bf16.h),
 found through CUDA_HOME, nvcc or the pip nvidia packages; skipped without them.
 ORCA_EMU_SANITIZE=1 (or ``address``) builds with AddressSanitizer/UBSan (slower), which also
 turns the garbage-metadata cases into out-of-bounds checks; ORCA_EMU_SANITIZE=thread builds with
