@@ -121,6 +121,7 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
     const RowPlace at = row_place(a, w, row);
     const scalar_t* src = a.q + at.token * a.q_stride_token + at.q_head * a.q_stride_head;
     for (int64_t d = 0; d < D; ++d) qs[row * D + d] = static_cast<float>(src[d]) * a.scale;
+    if constexpr (kInt8) rotate_query(qs + row * D, D);  // as the keys are stored
   }
   sc.p.resize(rows * kKvTile);
   // The cache's elements: the model's dtype, or int8 rows of D values and a scale.
