@@ -150,6 +150,11 @@ def test_int8_cache_errors_name_the_problem():
     with pytest.raises(RuntimeError, match=r"the cache holds \[Hkv, D\] = \[2, 28\]"):
         ops.store_kv(key, key, k8[..., 4:].contiguous(), v8[..., 4:].contiguous(),
                      torch.tensor([0, 1]))
+    wide = torch.zeros(2, 2, 2, 264, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match=r"int8 k_cache rows hold head_dim <= 256 values, got "
+                                           r"head_dim 260"):
+        ops.store_kv(torch.randn(2, 2, 260), torch.randn(2, 2, 260), wide, wide.clone(),
+                     torch.tensor([0, 1]))
     with pytest.raises(RuntimeError, match="key must be float32, bfloat16 or float16"):
         ops.store_kv(key.to(torch.int8), key.to(torch.int8), k8, v8, torch.tensor([0, 1]))
 
