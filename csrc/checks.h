@@ -91,6 +91,8 @@ inline bool check_int8_kv_cache(const at::Tensor& cache, const char* name) {
               "got one on ", cache.device());
   TORCH_CHECK(cache.size(3) > kInt8KvScaleBytes, "int8 ", name, " rows must hold head_dim + ",
               kInt8KvScaleBytes, " bytes (values, then a float32 scale), got ", cache.size(3));
+  TORCH_CHECK(cache.size(3) - kInt8KvScaleBytes <= 256, "int8 ", name, " rows hold head_dim <= ",
+              "256 values, got head_dim ", cache.size(3) - kInt8KvScaleBytes);
   return true;
 }
 

@@ -78,19 +78,40 @@ def ragged_attention(q, k_cache, v_cache, cu_q_lens, context_lens, block_table,
     return out
 
 
-def quantize_kv_int8(x: torch.Tensor) -> torch.Tensor:
-    """Rows ``x [..., D]`` as an int8 KV cache stores them, ``[..., D + 4]``: ``round(x / s)``
-    (nearest even) then the float32 scale ``s = max |x| / 127`` as its 4 bytes."""
-    x = x.float()
-    scale = x.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(scale > 0, torch.round(x / scale), torch.zeros_like(x)).clamp(-127, 127)
-    return torch.cat([q.to(torch.int8), scale.contiguous().view(torch.int8)], dim=-1)
+def hadamard_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(H' x, 1 / sqrt(b)) for rows ``x [..., D]``: the Walsh-Hadamard transform of entries +-1
+    over blocks of b values (the largest power of two dividing D), as butterflies of sums and
+    differences in x's dtype, in the kernels' order; times 1 / sqrt(b) it is orthonormal and its
+    own inverse."""
+    D = x.shape[-1]
+    b = D & -D
+    y, h = x, 1
+    while h < b:
+        y = y.reshape(*x.shape[:-1], D // (2 * h), 2, h)
+        y = torch.stack((y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]), dim=-2)
+        h *= 2
+    return y.reshape(x.shape), 1 / torch.tensor(float(b), dtype=x.dtype).sqrt()
 
 
-def dequantize_kv_int8(rows: torch.Tensor) -> torch.Tensor:
-    """An int8 KV cache's rows ``[..., D + 4]`` as float64 values ``[..., D]``."""
+def quantize_kv_int8(x: torch.Tensor, keys: bool = False) -> torch.Tensor:
+    """Rows ``x [..., D]`` as an int8 KV cache stores them, ``[..., D + 4]``: for ``y = x``
+    (values) or ``y = H' x`` (keys, whose scale is then times 1 / sqrt(b)), ``round(y / s)``
+    (nearest even) then the float32 scale ``s = max |y| / 127`` as its 4 bytes."""
+    y, norm = hadamard_rows(x.float()) if keys else (x.float(), torch.tensor(1.0))
+    scale = y.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, torch.round(y / scale), torch.zeros_like(y)).clamp(-127, 127)
+    return torch.cat([q.to(torch.int8), (scale * norm).contiguous().view(torch.int8)], dim=-1)
+
+
+def dequantize_kv_int8(rows: torch.Tensor, keys: bool = False) -> torch.Tensor:
+    """An int8 KV cache's rows ``[..., D + 4]`` as float64 values ``[..., D]`` (keys rotated
+    back by H)."""
     scale = rows[..., -4:].contiguous().view(torch.float32).double()
-    return rows[..., :-4].double() * scale
+    y = rows[..., :-4].double() * scale
+    if not keys:
+        return y
+    rotated, norm = hadamard_rows(y)
+    return rotated * norm
 
 
 def lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,

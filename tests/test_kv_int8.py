@@ -37,15 +37,35 @@ def test_store_kv_writes_the_reference_rows(dtype, block_size, head_dim):
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:T]
     slots[::5] = -1  # skipped tokens
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    ref.store_kv(ref.quantize_kv_int8(key), ref.quantize_kv_int8(value), want_k, want_v, slots)
+    ref.store_kv(ref.quantize_kv_int8(key, keys=True), ref.quantize_kv_int8(value), want_k,
+                 want_v, slots)
     ops.store_kv(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
-    # Round trip: each value within half a step (the scale, rounded to float32) of itself.
-    flat = ref.dequantize_kv_int8(k_cache.view(-1, H, head_dim + 4))
+    # Round trip: each value of V, and of the rotated key H k, within half a step (the scale,
+    # rounded to float32) of itself; H undone, the key's error has the same norm.
     kept = slots >= 0
-    got = flat[slots[kept]]
-    step = key[kept].double().abs().amax(-1, keepdim=True) / 127
-    assert ((got - key[kept].double()).abs() <= step * (0.5 + 1e-4)).all()
+    for cache, x, keys in ((v_cache, value, False), (k_cache, key, True)):
+        rows = cache.view(-1, H, head_dim + 4)[slots[kept]]
+        y, norm = ref.hadamard_rows(x[kept].float()) if keys else (x[kept], torch.tensor(1.0))
+        y = y.double() * norm.double()
+        step = y.abs().amax(-1, keepdim=True) / 127
+        error = ref.dequantize_kv_int8(rows) - y
+        assert (error.abs() <= step * (0.5 + 1e-4)).all()
+        back = ref.dequantize_kv_int8(rows, keys) - x[kept].double()
+        torch.testing.assert_close(back.norm(dim=-1), error.norm(dim=-1), rtol=1e-4, atol=1e-6)
+
+
+def test_rotated_keys_spread_an_outlier_channel():
+    """Rows with one channel 30x the rest: stored as keys (rotated), their error is a fraction
+    of theirs stored as values (the outlier's step over every channel)."""
+    x = torch.randn(64, 2, 64, generator=torch.Generator().manual_seed(0))
+    x[..., 5] *= 30
+    k_cache = torch.zeros(64, 1, 2, 68, dtype=torch.int8)
+    v_cache = torch.zeros_like(k_cache)
+    ops.store_kv(x, x, k_cache, v_cache, torch.arange(64))
+    key_error = ref.dequantize_kv_int8(k_cache[:, 0], keys=True) - x.double()
+    value_error = ref.dequantize_kv_int8(v_cache[:, 0]) - x.double()
+    assert key_error.norm() < 0.3 * value_error.norm()
 
 
 def test_store_kv_strided_views_into_int8():
@@ -54,7 +74,7 @@ def test_store_kv_strided_views_into_int8():
     v_cache = torch.zeros_like(k_cache)
     slots = torch.tensor([0, 3, 5, 6, 7])
     ops.store_kv(qkv[:, 1], qkv[:, 2], k_cache, v_cache, slots)
-    assert torch.equal(k_cache.view(8, 2, 36)[slots], ref.quantize_kv_int8(qkv[:, 1]))
+    assert torch.equal(k_cache.view(8, 2, 36)[slots], ref.quantize_kv_int8(qkv[:, 1], keys=True))
     assert torch.equal(v_cache.view(8, 2, 36)[slots], ref.quantize_kv_int8(qkv[:, 2]))
 
 
@@ -84,8 +104,8 @@ def int8_batch(mix: str, heads: tuple[int, int], head_dim: int, block_size: int,
                dtype: torch.dtype):
     """A random batch with its caches quantized to int8, and the float64 dequantized caches."""
     batch = random_ragged_batch(*MIXES[mix], *heads, head_dim, block_size, dtype=dtype)
-    k8, v8 = ref.quantize_kv_int8(batch.k_cache), ref.quantize_kv_int8(batch.v_cache)
-    return batch, k8, v8, ref.dequantize_kv_int8(k8), ref.dequantize_kv_int8(v8)
+    k8, v8 = ref.quantize_kv_int8(batch.k_cache, keys=True), ref.quantize_kv_int8(batch.v_cache)
+    return batch, k8, v8, ref.dequantize_kv_int8(k8, keys=True), ref.dequantize_kv_int8(v8)
 
 
 def check_int8_attention(mix, heads, head_dim, block_size, dtype, window=0):
@@ -129,6 +149,11 @@ def test_int8_cache_errors_name_the_problem():
     key = torch.randn(2, 2, 32)
     with pytest.raises(RuntimeError, match=r"the cache holds \[Hkv, D\] = \[2, 28\]"):
         ops.store_kv(key, key, k8[..., 4:].contiguous(), v8[..., 4:].contiguous(),
+                     torch.tensor([0, 1]))
+    wide = torch.zeros(2, 2, 2, 264, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match=r"int8 k_cache rows hold head_dim <= 256 values, got "
+                                           r"head_dim 260"):
+        ops.store_kv(torch.randn(2, 2, 260), torch.randn(2, 2, 260), wide, wide.clone(),
                      torch.tensor([0, 1]))
     with pytest.raises(RuntimeError, match="key must be float32, bfloat16 or float16"):
         ops.store_kv(key.to(torch.int8), key.to(torch.int8), k8, v8, torch.tensor([0, 1]))

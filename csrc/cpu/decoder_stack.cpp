@@ -88,8 +88,8 @@ void store_rows(const scalar_t* qkv, int64_t begin, int64_t end, const StackShap
       int8_t* k_rows = k_cache.data_ptr<int8_t>() + slots[t] * H * row_bytes;
       int8_t* v_rows = v_cache.data_ptr<int8_t>() + slots[t] * H * row_bytes;
       for (int64_t h = 0; h < H; ++h) {
-        cpu::quantize_kv_row(k + h * D, D, k_rows + h * row_bytes);
-        cpu::quantize_kv_row(v + h * D, D, v_rows + h * row_bytes);
+        cpu::quantize_kv_row(k + h * D, D, k_rows + h * row_bytes, true);
+        cpu::quantize_kv_row(v + h * D, D, v_rows + h * row_bytes, false);
       }
     } else {
       std::memcpy(k_cache.data_ptr<scalar_t>() + slots[t] * width, k, width * sizeof(scalar_t));

@@ -28,7 +28,7 @@ void store_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_
   if (is_int8_kv_cache(k_cache)) {
     const int64_t row_bytes = D + cpu::kInt8ScaleBytes;
     ORCA_DISPATCH_FLOAT_TYPES(key.scalar_type(), "store_kv", [&] {
-      auto quantize_rows = [&](const at::Tensor& src, at::Tensor& cache) {
+      auto quantize_rows = [&](const at::Tensor& src, at::Tensor& cache, bool keys) {
         const scalar_t* base = src.data_ptr<scalar_t>();
         auto* dst = cache.data_ptr<int8_t>();
         at::parallel_for(0, T, std::max<int64_t>(1, 16384 / (H * D)), [&](int64_t begin,
@@ -37,13 +37,13 @@ void store_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_
             if (slot[t] < 0) continue;
             for (int64_t h = 0; h < H; ++h) {
               cpu::quantize_kv_row(base + t * src.stride(0) + h * src.stride(1), D,
-                                   dst + (slot[t] * H + h) * row_bytes);
+                                   dst + (slot[t] * H + h) * row_bytes, keys);
             }
           }
         });
       };
-      quantize_rows(key, k_cache);
-      quantize_rows(value, v_cache);
+      quantize_rows(key, k_cache, true);
+      quantize_rows(value, v_cache, false);
     });
     return;
   }

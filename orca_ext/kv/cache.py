@@ -154,7 +154,8 @@ class KVCache:
     ``[num_blocks, block_size, num_kv_heads, head_dim]`` (views of one zeroed allocation; on the
     CPU an anonymous mapping on huge pages, whose memory is taken as blocks are first written);
     ``keys`` / ``values`` list every layer's k / v cache. An int8 cache's rows are
-    ``head_dim + 4`` bytes: the values, then the row's float32 scale."""
+    ``head_dim + 4`` bytes: the values (keys Walsh-Hadamard rotated, ``kv_int8.h``), then the
+    row's float32 scale."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:

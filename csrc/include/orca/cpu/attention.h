@@ -121,6 +121,7 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
     const RowPlace at = row_place(a, w, row);
     const scalar_t* src = a.q + at.token * a.q_stride_token + at.q_head * a.q_stride_head;
     for (int64_t d = 0; d < D; ++d) qs[row * D + d] = static_cast<float>(src[d]) * a.scale;
+    if constexpr (kInt8) rotate_query(qs + row * D, D);  // as the keys are stored
   }
   sc.p.resize(rows * kKvTile);
   // The cache's elements: the model's dtype, or int8 rows of D values and a scale.
@@ -190,14 +191,21 @@ void attend(const AttentionArgs<scalar_t>& a, const AttentionWork& w, AttentionS
       const int64_t count = direct_softmax<kD>(first, end, rows, head_rows, p, sc);
       const int64_t next_count = std::clamp<int64_t>(w.kv_end - (t0 + kKvTile), 0, kKvTile);
       slot_offsets(t0 + kKvTile, next_count, next_offset);
-      for (int64_t i = 0; i < count; i += 2) {
-        for (int64_t n = i; n < std::min(i + 2, next_count); ++n) {
+      // int8 rows: kPvKeys keys a pass (their widened rows fit the registers up to kD 64).
+      constexpr int64_t kPvKeys = kInt8 && kD <= 64 ? 4 : 2;
+      for (int64_t i = 0; i < count; i += kPvKeys) {
+        for (int64_t n = i; n < std::min(i + kPvKeys, next_count); ++n) {
           prefetch_row<kD>(k_tile + next_offset[visit(n, next_count)], num_heads);
         }
         const int64_t ja = visit(i, count), jb = i + 1 < count ? visit(i + 1, count) : -1;
         if constexpr (kInt8) {
-          direct_pv_int8<kD>(v_tile + offset[ja], ja, v_tile + offset[jb < 0 ? ja : jb], jb,
-                             num_heads, head_rows, p, sc.acc.data());
+          int64_t j[kPvKeys];
+          const int8_t* rows[kPvKeys];
+          for (int64_t k = 0; k < kPvKeys; ++k) {
+            j[k] = i + k < count ? visit(i + k, count) : -1;
+            rows[k] = v_tile + offset[j[k] < 0 ? ja : j[k]];
+          }
+          direct_pv_int8<kD>(rows, j, num_heads, head_rows, p, sc.acc.data());
         } else {
           direct_pv<kD>(v_tile + offset[ja], ja, v_tile + offset[jb < 0 ? ja : jb], jb,
                         num_heads, head_rows, p, sc.acc.data());

@@ -102,30 +102,31 @@ inline void direct_scores_int8(const int8_t* ka_row, int64_t ja, const int8_t* k
   }
 }
 
-// direct_pv over int8 rows: each key's probability times its V row's scale weighs the int8
-// values widened in registers.
-template <int kD>
-inline void direct_pv_int8(const int8_t* va_row, int64_t ja, const int8_t* vb_row, int64_t jb,
+// direct_pv over int8 rows, kN keys a pass (rows[k]: key j[k]'s first head; j[k] < 0: none,
+// weighted 0): each key's probability times its V row's scale weighs the int8 values widened in
+// registers; more keys a pass, fewer loads and stores of the accumulators.
+template <int kD, int kN>
+inline void direct_pv_int8(const int8_t* const (&rows)[kN], const int64_t (&j)[kN],
                            int64_t num_heads, int64_t head_rows, const float* p, float* acc) {
   constexpr int kNV = kD / 16;
   constexpr int64_t kRow = kD + kInt8ScaleBytes;
   for (int64_t h = 0; h < num_heads; ++h) {
-    const int8_t* a_h = va_row + h * kRow;
-    const int8_t* b_h = vb_row + h * kRow;
-    vec16 va[kNV], vb[kNV];
-    for (int c = 0; c < kNV; ++c) {
-      va[c] = load16_int8(a_h + 16 * c);
-      vb[c] = load16_int8(b_h + 16 * c);
+    vec16 v[kN][kNV];
+    float scale[kN];
+    for (int k = 0; k < kN; ++k) {
+      const int8_t* row = rows[k] + h * kRow;
+      for (int c = 0; c < kNV; ++c) v[k][c] = load16_int8(row + 16 * c);
+      scale[k] = j[k] < 0 ? 0.f : int8_row_scale(row, kD);
     }
-    const float scale_a = int8_row_scale(a_h, kD);
-    const float scale_b = jb < 0 ? 0.f : int8_row_scale(b_h, kD);
     for (int64_t r = 0; r < head_rows; ++r) {
       const int64_t row = h * head_rows + r;
-      const float pa = p[row * kKvTile + ja] * scale_a;
-      const float pb = jb < 0 ? 0.f : p[row * kKvTile + jb] * scale_b;
+      float weight[kN];
+      for (int k = 0; k < kN; ++k) weight[k] = j[k] < 0 ? 0.f : p[row * kKvTile + j[k]] * scale[k];
       float* o = acc + row * kD;
       for (int c = 0; c < kNV; ++c) {
-        store16(o + 16 * c, load16(o + 16 * c) + pa * va[c] + pb * vb[c]);
+        vec16 sum = load16(o + 16 * c);
+        for (int k = 0; k < kN; ++k) sum += weight[k] * v[k][c];
+        store16(o + 16 * c, sum);
       }
     }
   }

@@ -230,6 +230,11 @@ void attend_lanes(const AttentionArgs<scalar_t>& a, const AttentionWork& w, int6
     const scalar_t* src = a.q + at.token * a.q_stride_token + at.q_head * a.q_stride_head;
     if constexpr (kBf16Dot) {
       for (int i = 0; i < kD / 2; ++i) std::memcpy(&sc.q_pairs[i * W + r], src + 2 * i, 4);
+    } else if constexpr (kInt8) {
+      float q[kD];  // rotated as the keys are stored
+      for (int d = 0; d < kD; ++d) q[d] = static_cast<float>(src[d]) * a.scale;
+      rotate_query(q, kD);
+      for (int d = 0; d < kD; ++d) sc.qt[d * W + r] = q[d];
     } else {
       for (int d = 0; d < kD; ++d) sc.qt[d * W + r] = static_cast<float>(src[d]) * a.scale;
     }
