@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "orca/cpu/quant_formats.h"
+#include "orca/cpu/quant_prefetch.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
@@ -252,7 +253,7 @@ inline void dot_row_group(const BlockPair* x, int64_t K, const uint8_t* w, int64
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) {
       const uint8_t* row = w + r * row_bytes;
-      __builtin_prefetch(row + kRows * row_bytes + p * pair_bytes, 0, 3);
+      prefetch_weights_ahead(row + p * pair_bytes);
       __m512i bytes;
       __m512 d, m;
       weight_pair<F>(row, p, blocks, bytes, d, m);
