@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "orca/cpu/quant_formats.h"
+#include "orca/cpu/quant_prefetch.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")

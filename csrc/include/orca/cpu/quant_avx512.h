@@ -11,6 +11,7 @@
 
 #include "orca/cpu/quant_avx2.h"
 #include "orca/cpu/quant_formats.h"
+#include "orca/cpu/quant_prefetch.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")

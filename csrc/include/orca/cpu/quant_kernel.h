@@ -5,8 +5,9 @@
 //   rows_for(kT) (weight rows walked side by side), zero, load, store, store_bf16 (rounded to
 //   nearest even, as float_to_bf16), add, fmadd, hsum, and
 //   dequant<Format>(row, c, V (&w)[32 / kWidth]) (weights 32c to 32c + 31 of a row of blocks as
-//   float32 vectors: a block of the 32-weight formats, a sub-block of the K-quants).
-// Deliberately without an include guard: one copy per ISA namespace.
+//   float32 vectors: a block of the 32-weight formats, a sub-block of the K-quants),
+// after including quant_prefetch.h. Deliberately without an include guard: one copy per ISA
+// namespace.
 
 // Rows [0, kRows) of w (each row_bytes of blocks) against the kT float32 tokens x [kT, K]:
 // y[t * y_stride + r] = x[t] . row r. Every chunk of 32 weights is dequantized in registers once
@@ -30,8 +31,7 @@ inline void dot_row_group(const float* x, int64_t K, const uint8_t* w, int64_t r
     V wv[kRows][kVec];
     for (int r = 0; r < kRows; ++r) {
       const uint8_t* row = w + r * row_bytes;
-      // The same chunk of the next row group: a prefetch distance of kRows rows.
-      __builtin_prefetch(row + kRows * row_bytes + b * kChunkBytes, 0, 3);
+      prefetch_weights_ahead(row + b * kChunkBytes);
       Vec::template dequant<F>(row, b, wv[r]);
     }
 #pragma GCC unroll 32

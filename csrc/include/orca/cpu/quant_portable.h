@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "orca/cpu/quant_formats.h"
+#include "orca/cpu/quant_prefetch.h"
 
 namespace orca::cpu::quant::portable {
 

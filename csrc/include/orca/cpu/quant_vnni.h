@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "orca/cpu/quant_formats.h"
+#include "orca/cpu/quant_prefetch.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
@@ -134,19 +135,40 @@ inline __m512i split_nibbles(__m256i v) {
                             _mm256_and_si256(_mm256_srli_epi16(v, 4), low), 1);
 }
 
+constexpr bool has_packed_scales(Format f) { return f == Format::kQ4_K || f == Format::kQ5_K; }
+
+// A q4_K / q5_K super-block's eight sub-block scales times d (lanes 0-7) and mins times -dmin
+// (lanes 8-15), each product exact as ggml-quants.c computes it: unpacked once per super-block
+// (get_scale_min_k4's fields, in ggml's AVX2 kernel's word arithmetic) for its four pairs.
+inline __m512 packed_scales(const uint8_t* block) {
+  constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+  uint32_t w[3];
+  std::memcpy(w, block + 4, sizeof(w));
+  const uint32_t scales_hi = (w[2] & kLow4) | (((w[0] >> 6) & kLow2) << 4);
+  const uint32_t mins_hi = ((w[2] >> 4) & kLow4) | (((w[1] >> 6) & kLow2) << 4);
+  const __m128i fields = _mm_setr_epi32(static_cast<int>(w[0] & kLow6),
+                                        static_cast<int>(scales_hi),
+                                        static_cast<int>(w[1] & kLow6), static_cast<int>(mins_hi));
+  const __m512 factor = _mm512_mask_blend_ps(
+      0xFF00, _mm512_set1_ps(_cvtsh_ss(load_u16(block))),
+      _mm512_set1_ps(-_cvtsh_ss(load_u16(block + 2))));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(fields)), factor);
+}
+
 // Pair p of a row of w (blocks 2p and 2p + 1 of 32 weights; blocks: the row's count) as 64
 // unsigned quants in BlockPair's order, and per lane their block's scale d and min m (has_min).
 // Each lane's scale is computed as ggml-quants.c computes it (a K-quant's d times its sub-block
-// scale, exact in float32).
+// scale, exact in float32); q4_K and q5_K take theirs from packed (packed_scales of the pair's
+// super-block).
 template <Format F>
-inline void weight_pair(const uint8_t* row, int64_t p, int64_t blocks, __m512i& bytes, __m512& d,
-                        __m512& m) {
+inline void weight_pair(const uint8_t* row, int64_t p, int64_t blocks, const __m512& packed,
+                        __m512i& bytes, __m512& d, __m512& m) {
   if constexpr (is_k_quant(F)) {
     // Sub-blocks 2j and 2j + 1 of super-block p / 4.
     const uint8_t* block = row + p / 4 * block_bytes(F);
     const int j = static_cast<int>(p % 4);
-    const float block_d = _cvtsh_ss(load_u16(F == Format::kQ6_K ? block + 208 : block));
     if constexpr (F == Format::kQ6_K) {
+      const float block_d = _cvtsh_ss(load_u16(block + 208));
       // Sub-block 2j reads the first and 2j + 1 the second 32 bytes of ql[64 (j / 2) ...], the
       // low nibbles for j even, then qh[32 (j / 2) ...]'s bits 4 (j % 2) (2j) and 4 (j % 2) + 2.
       const uint8_t* ql = block + 64 * (j / 2);
@@ -184,14 +206,11 @@ inline void weight_pair(const uint8_t* row, int64_t p, int64_t blocks, __m512i& 
             bytes, _mm512_slli_epi16(
                        _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1), 4));
       }
-      int sc0 = 0, mn0 = 0, sc1 = 0, mn1 = 0;
-      scale_min_k4(2 * j, block + 4, sc0, mn0);
-      scale_min_k4(2 * j + 1, block + 4, sc1, mn1);
-      const float block_min = _cvtsh_ss(load_u16(block + 2));
-      d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(block_d * static_cast<float>(sc0)),
-                               _mm512_set1_ps(block_d * static_cast<float>(sc1)));
-      m = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(-(block_min * static_cast<float>(mn0))),
-                               _mm512_set1_ps(-(block_min * static_cast<float>(mn1))));
+      // Lanes 0-7 take sub-block 2j's scale and min, lanes 8-15 sub-block 2j + 1's.
+      const __m512i sub_block = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(2 * j),
+                                                        _mm512_set1_epi32(2 * j + 1));
+      d = _mm512_permutexvar_ps(sub_block, packed);
+      m = _mm512_permutexvar_ps(_mm512_add_epi32(sub_block, _mm512_set1_epi32(8)), packed);
     }
   } else {
     const bool both = 2 * p + 1 < blocks;
@@ -248,14 +267,18 @@ inline void dot_row_group(const BlockPair* x, int64_t K, const uint8_t* w, int64
   for (auto& per_row : acc) {
     for (auto& a : per_row) a = _mm512_setzero_ps();
   }
+  __m512 packed[kRows] = {};  // q4_K / q5_K: each row's packed_scales of the super-block
   for (int64_t p = 0; p < pairs; ++p) {
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) {
       const uint8_t* row = w + r * row_bytes;
-      __builtin_prefetch(row + kRows * row_bytes + p * pair_bytes, 0, 3);
+      prefetch_weights_ahead(row + p * pair_bytes);
+      if constexpr (has_packed_scales(F)) {
+        if (p % 4 == 0) packed[r] = packed_scales(row + p / 4 * block_bytes(F));
+      }
       __m512i bytes;
       __m512 d, m;
-      weight_pair<F>(row, p, blocks, bytes, d, m);
+      weight_pair<F>(row, p, blocks, packed[r], bytes, d, m);
 #pragma GCC unroll 8
       for (int t = 0; t < kT; ++t) {
         const BlockPair& xp = x[t * pairs + p];
