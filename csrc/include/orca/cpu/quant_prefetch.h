@@ -1,8 +1,7 @@
 // How the quantized linear's few-token kernels (quant_kernel.h, quant_vnni.h) prefetch their
 // weights: a row group's bytes are asked into L2 (prefetcht1) this far ahead of where the group
-// reads them. The hardware prefetcher alone, or a prefetch one row group ahead into L1, left a
-// one-token head (Gemma 3's 262144 x 640 q8_0) at half the memory bandwidth; this distance
-// covers the DRAM latency at both cores' full bandwidth without running far past a layer's end.
+// reads them: one row group ahead is too short to hide DRAM latency on a long weight stream (a
+// one-token output head), and this distance is short enough not to run far past a layer's end.
 #pragma once
 
 #include <cstdint>
