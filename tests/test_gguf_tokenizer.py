@@ -4,6 +4,7 @@ file, on ~60 KB of mixed text and on special-token strings; the vectorized Sente
 against transformers' own derivation; and ``GGUFArrayReader`` against gguf's reader."""
 from __future__ import annotations
 
+import json
 import random
 
 import gguf
@@ -128,17 +129,31 @@ def _random_vocabulary(seed: int) -> tuple[list[str], list[float]]:
     return tokens, [float(rng.randint(-20, 0)) for _ in tokens]
 
 
+@pytest.mark.parametrize("scores_kind", ["ties", "falling"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_merges_equal_transformers_derivation(seed, monkeypatch):
+def test_merges_equal_transformers_derivation(seed, scores_kind, monkeypatch):
     tokens, scores = _random_vocabulary(seed)
+    if scores_kind == "falling":  # Gemma's: one score per token, falling along the vocabulary
+        scores = [-float(i) for i in range(len(tokens))]
     expected = generate_merges({t: i for i, t in enumerate(tokens)}, dict(zip(tokens, scores)))
     assert len(expected) > 100
+    assert merges_from_scores(tokens, scores) == expected
+    # A few tokens at a time (the first chunks: single characters, no split points).
+    monkeypatch.setattr(gguf_tokenizer_module, "_TOKENS_PER_CHUNK", 5)
     assert merges_from_scores(tokens, scores) == expected
     # With base 1 a hash is the sum of the code points: anagrams collide (shared token hashes,
     # pieces that hash as a token of other text), and the result must not change.
     monkeypatch.setattr(gguf_tokenizer_module, "_BASE", 1)
     monkeypatch.setattr(gguf_tokenizer_module, "_BASE_INVERSE", 1)
     assert merges_from_scores(tokens, scores) == expected
+
+
+def test_gemma_merges_equal_transformers(ours, reference):
+    """The merges derived from Gemma 3's whole vocabulary, in order, are those transformers
+    derives for the same file."""
+    theirs = json.loads(reference.backend_tokenizer.to_str())["model"]["merges"]
+    assert len(theirs) > 500_000
+    assert json.loads(ours.inner.to_str())["model"]["merges"] == theirs
 
 
 def test_merges_of_duplicate_tokens_follow_the_last_copy():

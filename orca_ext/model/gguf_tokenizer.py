@@ -167,6 +167,8 @@ _BASE_INVERSE = pow(_BASE, -1, 1 << 64)
 # spreads small values, such as a one-character token's code point, over the top bits that
 # pick a hash-table bucket.
 _SPREAD = 0xD6E8FEB86659FD93
+# Tokens whose split points are looked up together (~100,000 split points for Gemma 3).
+_TOKENS_PER_CHUNK = 16384
 
 
 def merges_from_scores(tokens: Sequence[str], scores: Sequence[float]
@@ -241,41 +243,74 @@ def merges_from_scores(tokens: Sequence[str], scores: Sequence[float]
                 ids[i] = vocab().get(text(begin[i], end[i]), -1)
         return ids
 
-    # Every split point: a position inside a token (not its first character).
-    inside = np.ones(total, dtype=bool)
-    inside[starts[:-1][lengths > 0]] = False
-    split = np.flatnonzero(inside)
-    owner = np.repeat(np.arange(count), lengths)[split]
-    if len(shared):  # only the last copy of a duplicate token splits
-        keep = np.fromiter((vocab()[t] == i for i, t in enumerate(tokens)), dtype=bool,
-                           count=count)
-        split, owner = split[keep[owner]], owner[keep[owner]]
-    left = lookup(starts[owner], split)
-    split, owner, left = split[left >= 0], owner[left >= 0], left[left >= 0]
-    right = lookup(split, starts[owner + 1])
-    split, owner, left, right = split[right >= 0], owner[right >= 0], left[right >= 0], \
-        right[right >= 0]
-    # Equal hashes and lengths, checked character by character: a piece whose hash collides
-    # with a token of another spelling (not seen in practice) is no merge.
-    begin, end = starts[owner], starts[owner + 1]
-    equal = _equal_spans(codes, begin, starts[left], split - begin) & \
-        _equal_spans(codes, split, starts[right], end - split)
-    split, owner, left, right = split[equal], owner[equal], left[equal], right[equal]
-    score = np.asarray(scores, dtype=np.float64)[owner]
-    left_length = split - starts[owner]
-    right_length = starts[owner + 1] - split
-    # lexsort: the last key first; it is stable, so vocabulary order breaks the remaining ties.
-    order = np.lexsort((owner, -right_length, -left_length, -score))
+    # The last copy of a duplicate token is the one that splits.
+    splits = (np.fromiter((vocab()[t] == i for i, t in enumerate(tokens)), dtype=bool,
+                          count=count) if len(shared) else np.ones(count, dtype=bool))
+    # A few thousand tokens at a time: each step's arrays stay small, in memory the process
+    # has already touched, instead of a few hundred megabytes of fresh pages for all at once.
+    found = []
+    for chunk in range(0, max(count, 1), _TOKENS_PER_CHUNK):
+        ids = np.arange(chunk, min(count, chunk + _TOKENS_PER_CHUNK))
+        ids = ids[splits[ids] & (lengths[ids] > 1)]
+        # Every split point: a position inside a token (not its first character).
+        points = lengths[ids] - 1
+        owner = np.repeat(ids, points)
+        # The k-th split point of a token (k from 0) sits k + 1 characters past its start.
+        split = np.arange(len(owner)) + np.repeat(starts[ids] + 1 - (np.cumsum(points) - points),
+                                                  points)
+        left = lookup(starts[owner], split)
+        split, owner, left = split[left >= 0], owner[left >= 0], left[left >= 0]
+        right = lookup(split, starts[owner + 1])
+        split, owner, left, right = split[right >= 0], owner[right >= 0], left[right >= 0], \
+            right[right >= 0]
+        # Equal hashes and lengths, checked character by character: a piece whose hash
+        # collides with a token of another spelling (not seen in practice) is no merge.
+        equal = _spells(codes, starts[owner], split, starts[owner + 1], starts[left],
+                        starts[right])
+        found.append((split[equal], owner[equal], left[equal], right[equal]))
+    split, owner, left, right = (np.concatenate(parts) for parts in zip(*found))
+    order = _merge_order(np.asarray(scores, dtype=np.float64), owner, split - starts[owner],
+                         starts[owner + 1] - split)
     spellings = np.array(tokens, dtype=object)
     return list(zip(spellings[left[order]].tolist(), spellings[right[order]].tolist()))
 
 
-def _equal_spans(codes: np.ndarray, a: np.ndarray, b: np.ndarray,
-                 lengths: np.ndarray) -> np.ndarray:
-    """Whether codes[a[i]:a[i] + lengths[i]] == codes[b[i]:b[i] + lengths[i]] for each i."""
+def _merge_order(scores: np.ndarray, owner: np.ndarray, left_length: np.ndarray,
+                 right_length: np.ndarray) -> np.ndarray:
+    """The order of the merges (given by owner, then left length, both ascending): best-scored
+    merged token first, then the longer left piece, then the longer right piece, then
+    vocabulary order."""
+    if len(scores) > 1 and bool(np.all(scores[1:] < scores[:-1])):
+        # Scores falling along the vocabulary (Gemma's): the given order with each merged
+        # token's merges reversed, longest left piece first.
+        group = np.empty(len(owner), dtype=bool)
+        group[:1] = True
+        np.not_equal(owner[1:], owner[:-1], out=group[1:])
+        first = np.flatnonzero(group)
+        last = np.append(first[1:], len(owner)) - 1
+        index = np.cumsum(group) - 1
+        return (first + last)[index] - np.arange(len(owner))
+    # lexsort: the last key first; it is stable, so vocabulary order breaks the remaining ties.
+    return np.lexsort((owner, -right_length, -left_length, -scores[owner]))
+
+
+def _spells(codes: np.ndarray, begin: np.ndarray, split: np.ndarray, end: np.ndarray,
+            left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    """Whether codes[begin[i]:end[i]] == codes[left[i]:left[i] + split[i] - begin[i]] +
+    codes[right[i]:right[i] + end[i] - split[i]] for each i, in one pass over the texts."""
+    lengths = end - begin
     if not len(lengths):
         return np.zeros(0, dtype=bool)
-    which = np.repeat(np.arange(len(lengths)), lengths)
-    offset = np.arange(len(which)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    differs = codes[a[which] + offset] != codes[b[which] + offset]
-    return ~np.bincount(which[differs], minlength=len(lengths)).astype(bool)
+    # Each character of the texts, and how far its copy in the pieces lies from it.
+    pieces = np.empty(2 * len(lengths), dtype=np.int64)
+    pieces[0::2], pieces[1::2] = split - begin, end - split
+    shifts = np.empty(2 * len(lengths), dtype=np.int64)
+    shifts[0::2], shifts[1::2] = left - begin, right - split
+    ends = np.cumsum(lengths)
+    at = np.repeat(begin - (ends - lengths), lengths)
+    at += np.arange(len(at))
+    copies = at + np.repeat(shifts, pieces)
+    differs = np.flatnonzero(codes[at] != codes[copies])
+    equal = np.ones(len(lengths), dtype=bool)
+    equal[np.searchsorted(ends, differs, side="right")] = False
+    return equal
