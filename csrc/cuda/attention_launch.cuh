@@ -28,9 +28,8 @@ cudaError_t allow_max_dynamic_smem() {
     cudaError_t e =
         cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     if (e == cudaSuccess) {
-      constexpr KvFormat kv_format =
-          std::is_same_v<KV, T> ? KvFormat::kSameAsQ : KvFormat::kFp8E4M3;
-      const size_t most = std::min(attention_smem_bytes(WM, D, kAttnMaxBatchTC, kv_format),
+      const size_t most = std::min(attention_smem_bytes(WM, D, kAttnMaxBatchTC,
+                                                        kv_format_of<T, KV>()),
                                    static_cast<size_t>(optin));
       e = cudaFuncSetAttribute(attention_tc_kernel<T, D, WM, KV>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -269,29 +269,13 @@ def merges_from_scores(tokens: Sequence[str], scores: Sequence[float]
                         starts[right])
         found.append((split[equal], owner[equal], left[equal], right[equal]))
     split, owner, left, right = (np.concatenate(parts) for parts in zip(*found))
-    order = _merge_order(np.asarray(scores, dtype=np.float64), owner, split - starts[owner],
-                         starts[owner + 1] - split)
+    score = np.asarray(scores, dtype=np.float64)[owner]
+    left_length = split - starts[owner]
+    right_length = starts[owner + 1] - split
+    # lexsort: the last key first; it is stable, so vocabulary order breaks the remaining ties.
+    order = np.lexsort((owner, -right_length, -left_length, -score))
     spellings = np.array(tokens, dtype=object)
     return list(zip(spellings[left[order]].tolist(), spellings[right[order]].tolist()))
-
-
-def _merge_order(scores: np.ndarray, owner: np.ndarray, left_length: np.ndarray,
-                 right_length: np.ndarray) -> np.ndarray:
-    """The order of the merges (given by owner, then left length, both ascending): best-scored
-    merged token first, then the longer left piece, then the longer right piece, then
-    vocabulary order."""
-    if len(scores) > 1 and bool(np.all(scores[1:] < scores[:-1])):
-        # Scores falling along the vocabulary (Gemma's): the given order with each merged
-        # token's merges reversed, longest left piece first.
-        group = np.empty(len(owner), dtype=bool)
-        group[:1] = True
-        np.not_equal(owner[1:], owner[:-1], out=group[1:])
-        first = np.flatnonzero(group)
-        last = np.append(first[1:], len(owner)) - 1
-        index = np.cumsum(group) - 1
-        return (first + last)[index] - np.arange(len(owner))
-    # lexsort: the last key first; it is stable, so vocabulary order breaks the remaining ties.
-    return np.lexsort((owner, -right_length, -left_length, -scores[owner]))
 
 
 def _spells(codes: np.ndarray, begin: np.ndarray, split: np.ndarray, end: np.ndarray,

@@ -174,7 +174,7 @@ std::vector<T> run_attention_case(const AttnCase& c, const AttnData<T, KV>& d,
                                   const AttentionLimits& limits, AttentionPlan* plan_out) {
   const AttentionPlan plan =
       plan_attention(d.T_, d.B, c.Hq, c.Hkv, c.D, c.block_size, d.max_blocks, dtype_of<T>(),
-                     std::is_same_v<KV, T> ? KvFormat::kSameAsQ : KvFormat::kFp8E4M3,
+                     attn::kv_format_of<T, KV>(),
                      /*aligned16=*/true, c.num_sms, limits);
   std::vector<T> out(static_cast<size_t>(d.T_) * c.Hq * c.D, cast<T>(NAN));
   // The launcher's workspace: part_o, part_lse, then the KV chunk (poisoned with NaNs).
@@ -414,6 +414,28 @@ void attention_many_items_suite() {
 
 // ---- store_kv ----------------------------------------------------------------------------------
 
+// store_kv's parameters for Tn tokens of H heads x D values of T, key and value views into
+// token rows stride_t values apart (value D values in), caches of `slots` rows of cache_elem bytes
+// per value.
+template <typename T>
+StoreKvParams store_kv_params(const std::vector<T>& key, const std::vector<T>& value,
+                              void* k_cache, void* v_cache, const std::vector<int64_t>& slot,
+                              int slots, int H, int D, int stride_t, int cache_elem) {
+  StoreKvParams p{};
+  p.key = key.data();
+  p.value = value.data() + D;  // offset view
+  p.k_cache = k_cache;
+  p.v_cache = v_cache;
+  p.slot_mapping = slot.data();
+  p.num_tokens = static_cast<int64_t>(slot.size());
+  p.num_slots = slots;
+  p.num_heads = H;
+  p.row_bytes = static_cast<int64_t>(D) * cache_elem;
+  p.key_stride_token = p.value_stride_token = stride_t * sizeof(T);
+  p.key_stride_head = p.value_stride_head = D * sizeof(T);
+  return p;
+}
+
 template <typename T>
 void test_store_kv(int vb) {
   const int Tn = 9, H = 3, D = 40, slots = 32;
@@ -422,19 +444,9 @@ void test_store_kv(int vb) {
   for (auto& v : key) v = cast<T>(uniform(-1, 1));
   for (auto& v : value) v = cast<T>(uniform(-1, 1));
   std::vector<T> kc(static_cast<size_t>(slots) * H * D, cast<T>(0.5f)), vc(kc.size(), cast<T>(0.5f));
-  std::vector<int64_t> slot = {3, -1, 31, 0, 1000, 7, -5, 12, 2};
-  StoreKvParams p{};
-  p.key = key.data();
-  p.value = value.data() + D;  // offset view
-  p.k_cache = kc.data();
-  p.v_cache = vc.data();
-  p.slot_mapping = slot.data();
-  p.num_tokens = Tn;
-  p.num_slots = slots;
-  p.num_heads = H;
-  p.row_bytes = D * sizeof(T);
-  p.key_stride_token = p.value_stride_token = stride_t * sizeof(T);
-  p.key_stride_head = p.value_stride_head = D * sizeof(T);
+  const std::vector<int64_t> slot = {3, -1, 31, 0, 1000, 7, -5, 12, 2};
+  const StoreKvParams p = store_kv_params(key, value, kc.data(), vc.data(), slot, slots, H, D,
+                                          stride_t, sizeof(T));
   if (vb == 16) orca_emu::launch(dim3(Tn), dim3(64), 0, [&] { kvstore::store_kv_kernel<16>(p); });
   else if (vb == 8) orca_emu::launch(dim3(Tn), dim3(64), 0, [&] { kvstore::store_kv_kernel<8>(p); });
   else if (vb == 4) orca_emu::launch(dim3(Tn), dim3(64), 0, [&] { kvstore::store_kv_kernel<4>(p); });
@@ -481,19 +493,9 @@ void test_store_kv_fp8() {
   for (auto& v : value) v = cast<T>(uniform(-2, 2));
   key[3] = cast<T>(1e4f);
   std::vector<uint8_t> kc(static_cast<size_t>(slots) * H * D, 0x11), vc(kc.size(), 0x11);
-  std::vector<int64_t> slot = {3, -1, 15, 0, 99};
-  StoreKvParams p{};
-  p.key = key.data();
-  p.value = value.data() + D;
-  p.k_cache = kc.data();
-  p.v_cache = vc.data();
-  p.slot_mapping = slot.data();
-  p.num_tokens = Tn;
-  p.num_slots = slots;
-  p.num_heads = H;
-  p.row_bytes = D;
-  p.key_stride_token = p.value_stride_token = stride_t * sizeof(T);
-  p.key_stride_head = p.value_stride_head = D * sizeof(T);
+  const std::vector<int64_t> slot = {3, -1, 15, 0, 99};
+  const StoreKvParams p = store_kv_params(key, value, kc.data(), vc.data(), slot, slots, H, D,
+                                          stride_t, 1);
   orca_emu::launch(dim3(Tn), dim3(64), 0, [&] { kvstore::store_kv_fp8_kernel<T>(p); });
   // The nearest finite code by value (ties: the even code), saturating.
   const auto nearest = [](float x) {

@@ -94,6 +94,12 @@ __device__ __forceinline__ int find_request(const AttentionParams& p, int token)
   return (token >= a && token < b) ? lo : -1;
 }
 
+// How a cache of KV values is read by kernels of q's dtype T (the plan's kv_format).
+template <typename T, typename KV>
+constexpr KvFormat kv_format_of() {
+  return std::is_same_v<KV, T> ? KvFormat::kSameAsQ : KvFormat::kFp8E4M3;
+}
+
 // ---- tensor-core kernel ----------------------------------------------------------------------
 
 // Widens one BN x D fp8 tile (rows of D bytes) into a 16-bit tile of row stride LD.
