@@ -27,6 +27,7 @@ STORED_FORMATS = ["q5_0", "q5_1", "q4_K", "q5_K", "q6_K"]
 STORED_RANGE = {"q5_0": 16, "q5_1": 32, "q4_K": 63 * 15, "q5_K": 63 * 31, "q6_K": 128 * 32}
 ISAS = ["portable", "avx2", "avx512", "avx512_vnni", "amx_int8"]
 INT8_MAX_T = 2  # up to this many tokens avx512_vnni splits the activations into int8 parts
+DOT_MAX_T_INT16 = 8  # beyond this many float32 tokens avx512_vnni rounds them to int16 blocks
 AMX_MAX_T_BF16 = 64  # amx_int8's tiles take any number of float32 tokens, this many bfloat16
 DTYPES = [torch.float32, torch.bfloat16]
 # float32: the kernels sum K <= 576 float32 products in another order than the float64
@@ -40,6 +41,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 # Up to 24 tokens (float32; bfloat16: 16) the dot kernels, 8 tokens at a time (9, 16, 17 and 24
 # take two and three passes); more, the dequantized panels and a GEMM (600: several panels).
+# avx512_vnni's float32 tokens beyond 8: the int16 GEMM's tiles of 16 tokens, one (9, 16) or
+# two at a time (17, 24, 25, 64), a single last one (65, 600 = 38 tiles).
 # amx_int8: groups of 4 to 16 tokens (5: one of 8, 17: two of 12, 64: four of 16), a padded
 # last group (25, 600), up to 64 bfloat16 tokens (65: the panels).
 TOKENS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 25, 64, 65, 600]
@@ -85,13 +88,25 @@ def int8x2_rounded(rows: torch.Tensor, lo_steps: int) -> torch.Tensor:
     return (hi.double() * dx.double() + lo.double() * dx_lo.double()).reshape(rows.shape)
 
 
+def int16_rounded(rows: torch.Tensor) -> torch.Tensor:
+    """float64 ``rows [T, K]`` as avx512_vnni's int16 GEMM takes them: each block of 32 as
+    multiples of ``dx = max |x| / 32767`` in float32, nearest even: within dx / 2."""
+    x = rows.float().reshape(rows.shape[0], -1, 32)
+    dx = x.abs().amax(-1, keepdim=True) / 32767
+    inverse = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    return (torch.round(x * inverse).double() * dx.double()).reshape(rows.shape)
+
+
 def rounding(isa: str, T: int, dtype: torch.dtype, fmt: str, int8_activations: bool = True):
     """How the path rounds T tokens of x in fmt: remainders in dx / 256 where avx512_vnni's
-    kernels (on amx_int8 too) take up to INT8_MAX_T tokens, in dx / 254 where amx_int8's tiles
-    take more (not the stored formats), else None (float32 activations)."""
+    kernels (on amx_int8 too) take up to INT8_MAX_T tokens, to int16 blocks where avx512_vnni's
+    GEMM takes more than DOT_MAX_T_INT16 float32 tokens, in dx / 254 where amx_int8's tiles take
+    more (not the stored formats), else None (float32 activations)."""
     if T <= INT8_MAX_T:
         vnni = isa in ("avx512_vnni", "amx_int8") and int8_activations
         return functools.partial(int8x2_rounded, lo_steps=256) if vnni else None
+    if isa == "avx512_vnni" and dtype == torch.float32 and T > DOT_MAX_T_INT16:
+        return int16_rounded
     tiles = isa == "amx_int8" and fmt not in STORED_FORMATS
     if tiles and (dtype == torch.float32 or T <= AMX_MAX_T_BF16):
         return functools.partial(int8x2_rounded, lo_steps=254)
@@ -156,12 +171,14 @@ def test_stored_formats_dequantize_as_gguf(isa, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS + STORED_FORMATS)
 @pytest.mark.parametrize("isa,T,steps", [("avx512_vnni", 1, 512), ("avx512_vnni", 2, 512),
+                                         ("avx512_vnni", 9, 516), ("avx512_vnni", 300, 516),
                                          ("amx_int8", 1, 512), ("amx_int8", 3, 508),
                                          ("amx_int8", 40, 508), ("amx_int8", 300, 508)])
 def test_int8_activation_error(fmt, isa, T, steps, force_isa):
-    """The int8 paths' one error beyond float32 accumulation: each activation rounded by at most
-    its block's dx / steps (dx = max |x| / 127; the remainder's int8 part is in steps of dx / 256
-    in avx512_vnni's kernels, dx / 254 in amx_int8's tiles), so an output moves by at most
+    """The int8 and int16 paths' one error beyond float32 accumulation: each activation rounded
+    by at most its block's dx / steps (dx = max |x| / 127; the remainder's int8 part is in steps
+    of dx / 256 in avx512_vnni's kernels, dx / 254 in amx_int8's tiles; avx512_vnni's int16
+    GEMM rounds to max |x| / 32767, within dx / 516), so an output moves by at most
     sum_k |w_k| dx_k / steps."""
     if isa not in _C.quant_isas():
         pytest.skip(f"this CPU does not run the {isa} path")
@@ -251,10 +268,11 @@ def hand_made_blocks(fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("T", [1, 30])  # the dot kernels and the panels
 def test_block_layout(isa, fmt, T):
     """Against the format's definition itself: small integer x with 127 in each row (so that
-    int8 activations round nothing), so that every sum is exact."""
+    int8 activations round nothing; 32767 where avx512_vnni's int16 GEMM takes them), so that
+    every sum is exact."""
     q, w = hand_made_blocks(fmt)
     x = torch.randint(-3, 4, (T, 32), generator=torch.Generator().manual_seed(T)).float()
-    x[:, 5] = 127
+    x[:, 5] = 32767 if isa == "avx512_vnni" and T > DOT_MAX_T_INT16 else 127
     torch.testing.assert_close(ops.quantized_linear(x, q, fmt, 32), x @ w.t(), atol=0, rtol=0)
     torch.testing.assert_close(dequantize_weight(q, fmt, 32), w, atol=0, rtol=0)
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include "checks.h"
 #include "orca/cpu/norm.h"
@@ -10,27 +11,31 @@
 
 namespace orca {
 
-// The most rows normalized on the calling thread with the DecoderStack's row kernels, so that a
-// stack's results (up to this many tokens) equal the per-op path's bit for bit.
+// The most rows normalized on the calling thread (a few KB: less work than a fork-join); more
+// are split across the threads in chunks of this many.
 constexpr int64_t kRowNormMaxT = 64;
 
-// The input rows normalized: up to kRowNormMaxT rows on this thread (orca/cpu/norm.h), more
-// through ATen's ops.
+// The input rows normalized by the DecoderStack's row kernels (orca/cpu/norm.h), row by row, so
+// that a stack's results equal the per-op path's bit for bit.
 inline at::Tensor normalized_input(const at::Tensor& x, const InputNorm& norm) {
-  if (x.size(0) > kRowNormMaxT) return normalize_rows(x, norm);
   at::Tensor y = at::empty_like(x);
   const at::Tensor w = norm.weight->contiguous();
   const at::Tensor b = norm.bias ? norm.bias->contiguous() : at::Tensor();
+  const int64_t K = x.size(1);
   ORCA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "normalized_input", [&] {
     const auto eps = static_cast<float>(norm.eps);
-    if (norm.kind == NormKind::kLayerNorm) {
-      cpu::layer_norm_rows(x.data_ptr<scalar_t>(), x.size(0), x.size(1), w.data_ptr<scalar_t>(),
-                           b.defined() ? b.data_ptr<scalar_t>() : nullptr, eps,
-                           y.data_ptr<scalar_t>());
-    } else {
-      cpu::rms_norm_rows(x.data_ptr<scalar_t>(), x.size(0), x.size(1), w.data_ptr<scalar_t>(),
-                         eps, y.data_ptr<scalar_t>());
-    }
+    const auto rows = [&](int64_t begin, int64_t end) {
+      const scalar_t* in = x.data_ptr<scalar_t>() + begin * K;
+      scalar_t* out = y.data_ptr<scalar_t>() + begin * K;
+      if (norm.kind == NormKind::kLayerNorm) {
+        cpu::layer_norm_rows(in, end - begin, K, w.data_ptr<scalar_t>(),
+                             b.defined() ? b.data_ptr<scalar_t>() : nullptr, eps, out);
+      } else {
+        cpu::rms_norm_rows(in, end - begin, K, w.data_ptr<scalar_t>(), eps, out);
+      }
+    };
+    if (x.size(0) <= kRowNormMaxT) return rows(0, x.size(0));
+    at::parallel_for(0, x.size(0), kRowNormMaxT, rows);
   });
   return y;
 }

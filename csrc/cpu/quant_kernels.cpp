@@ -19,6 +19,7 @@
 #include "orca/cpu/quant_avx2.h"
 #include "orca/cpu/quant_amx.h"
 #include "orca/cpu/quant_avx512.h"
+#include "orca/cpu/quant_int16.h"
 #include "orca/cpu/quant_portable.h"
 #include "orca/cpu/quant_vnni.h"
 
@@ -129,6 +130,38 @@ void dot_rows_amx(Format format, const void* x_amx, int64_t T, int64_t K, const 
   const auto* x = static_cast<const uint8_t*>(x_amx);
   dispatch_tile_format(format,
                        [&]<Format F>() { amx::dot_rows<F>(x, T, K, w, rows, y, y_stride); });
+}
+
+int64_t int16_activation_bytes(int64_t T, int64_t K) {
+  return int16::tiles(T) * int16::tile_bytes(K);
+}
+
+void quantize_activations_int16(const float* x, int64_t T, int64_t K, int64_t begin,
+                                int64_t end, void* x_int16) {
+  auto* out = static_cast<uint8_t*>(x_int16);
+  for (int64_t tile = begin; tile < end; ++tile) {
+    int16::quantize_tile(x, T, K, tile, out + tile * int16::tile_bytes(K));
+  }
+}
+
+int64_t int16_group_weights(Format format) { return int16::group_weights(format); }
+
+int64_t int16_padded_rows(int64_t rows) { return int16::padded_rows(rows); }
+
+void unpack_rows_int16(Format format, const uint8_t* w, int64_t K, int64_t rows,
+                       int16_t* quants, float* scales, float* offsets) {
+  dispatch_format(format, [&]<Format F>() {
+    int16::unpack_rows<F>(w, K, rows, int16::padded_rows(rows), quants, scales, offsets);
+  });
+}
+
+void gemm_rows_int16(Format format, const void* x_int16, int64_t T, int64_t K,
+                     const int16_t* quants, const float* scales, const float* offsets,
+                     int64_t rows, float* y, int64_t y_stride) {
+  const auto* x = static_cast<const uint8_t*>(x_int16);
+  dispatch_format(format, [&]<Format F>() {
+    int16::gemm_rows<F>(x, T, K, quants, scales, offsets, rows, y, y_stride);
+  });
 }
 
 namespace {

@@ -7,6 +7,8 @@
 // Beyond, each task dequantizes a cache-sized panel of weight rows (float32, or bfloat16 for
 // bfloat16 x) and runs one GEMM of all tokens against it (at::mm: MKL / oneDNN), then the
 // epilogue on the panel's output columns while they are in cache.
+// avx512_vnni's float32 x beyond kDotMaxTInt16 tokens takes the int16 GEMM instead of the panels
+// (orca/cpu/quant_int16.h: x rounded to int16 per block, each panel's quants unpacked to int16).
 // The kernels' ISA (portable, avx2, avx512, avx512_vnni: avx512 with int8 activations for up to
 // kInt8MaxT tokens, every format; amx_int8: avx512_vnni with AMX-INT8 tile products on
 // activations split into two int8 parts for more: any number of float32 tokens, up to
@@ -17,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -33,6 +36,9 @@ using cpu::quant::Isa;
 // The most tokens the dot kernels take, per dtype of x: where they stopped beating the panels'
 // GEMM at SmolLM2-135M's shapes (bfloat16's GEMM, on AMX where the CPU has it, wins sooner).
 constexpr int64_t kDotMaxTFloat = 24, kDotMaxTBf16 = 16;
+// avx512_vnni's float32 tokens: one pass of the dot kernels, then the int16 GEMM, which gains on
+// a second pass from 9 to 12 tokens at those shapes, every format.
+constexpr int64_t kDotMaxTInt16 = cpu::quant::kMaxDotTokens;
 // The most tokens kAmxInt8's tile kernels take for bfloat16 x, where the panels' bfloat16 GEMM
 // (AMX in oneDNN) overtakes them; float32 x's GEMM never does.
 constexpr int64_t kAmxMaxTBf16 = 64;
@@ -100,6 +106,24 @@ void dot_linear(Isa isa, Format fmt, const float* x, Int8Path path, const uint8_
   });
 }
 
+struct PanelPlan {
+  int64_t rows;   // weight rows per panel (of each part for gated acts), a multiple of 16
+  int64_t count;  // panels
+};
+
+// Panels of up to kPanelBytes of `element_bytes` per weight (rows a multiple of 16), one GEMM
+// call each (fewer, larger calls ran faster, oneDNN's bfloat16 ones most), at least one per
+// thread and a multiple of the threads, so that no core idles on the last one.
+PanelPlan panel_plan(int64_t N, int64_t K, int64_t parts, int64_t element_bytes) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t panel_rows =
+      std::max<int64_t>(16, kPanelBytes / (parts * std::max<int64_t>(K, 1) * element_bytes));
+  int64_t panels = std::max(ceil_div(N, panel_rows), std::min(threads, ceil_div(N, 16)));
+  if (panels > threads) panels = ceil_div(panels, threads) * threads;
+  const int64_t rows_per_panel = ceil_div(ceil_div(N, panels), 16) * 16;
+  return {rows_per_panel, ceil_div(N, rows_per_panel)};
+}
+
 // More tokens: per task, panels of weight rows dequantized to x's dtype (gate and up rows side
 // by side for gated acts), one single-threaded GEMM of all tokens per panel into a
 // thread-local buffer, and the epilogue from there into out.
@@ -110,16 +134,7 @@ void panel_linear(Isa isa, Format fmt, const at::Tensor& x, const uint8_t* w,
   const int64_t row_bytes = cpu::quant::row_bytes(fmt, K);
   const int64_t parts = is_gated(act) ? 2 : 1;
   const int64_t half = parts == 2 ? N : 0;  // offset of the up rows
-  // Panels of up to kPanelBytes (rows a multiple of 16), one GEMM call each (fewer, larger
-  // calls ran faster, oneDNN's bfloat16 ones most), at least one per thread and a multiple of
-  // the threads, so that no core idles on the last one.
-  const int64_t threads = at::get_num_threads();
-  const int64_t panel_rows =
-      std::max<int64_t>(16, kPanelBytes / (parts * std::max<int64_t>(K, 1) * x.element_size()));
-  int64_t panels = std::max(ceil_div(N, panel_rows), std::min(threads, ceil_div(N, 16)));
-  if (panels > threads) panels = ceil_div(panels, threads) * threads;
-  const int64_t rows_per_panel = ceil_div(ceil_div(N, panels), 16) * 16;
-  panels = ceil_div(N, rows_per_panel);
+  const auto [rows_per_panel, panels] = panel_plan(N, K, parts, x.element_size());
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   // The workers take the caller's thread-local state: under inference mode their tensors are
   // inference tensors, which only inference mode may write.
@@ -146,6 +161,49 @@ void panel_linear(Isa isa, Format fmt, const at::Tensor& x, const uint8_t* w,
                                         T, rows, bias ? bias + n0 : nullptr,
                                         bias && half ? bias + half + n0 : nullptr,
                                         residual ? residual + n0 : nullptr, out_ptr + n0, N);
+    }
+  });
+}
+
+// More float32 tokens on avx512_vnni: x rounded to int16 tiles once, then per task panels of
+// weight rows unpacked to int16 quants (gate and up rows side by side for gated acts), the
+// int16 GEMM of all tokens against each into a thread-local buffer, and the epilogue from there
+// into out.
+template <Activation act>
+void int16_linear(Format fmt, const at::Tensor& x, const uint8_t* w, const float* bias,
+                  const float* residual, at::Tensor& out) {
+  const int64_t T = x.size(0), K = x.size(1), N = out.size(1);
+  const int64_t row_bytes = cpu::quant::row_bytes(fmt, K);
+  const int64_t parts = is_gated(act) ? 2 : 1;
+  const int64_t half = parts == 2 ? N : 0;  // offset of the up rows
+  // Scratch left uninitialized (every byte read is written first).
+  const auto x_int16 =
+      std::make_unique_for_overwrite<uint8_t[]>(cpu::quant::int16_activation_bytes(T, K));
+  const float* x_ptr = x.data_ptr<float>();
+  at::parallel_for(0, ceil_div(T, int64_t{16}), 1, [&](int64_t begin, int64_t end) {
+    cpu::quant::quantize_activations_int16(x_ptr, T, K, begin, end, x_int16.get());
+  });
+  const auto [rows_per_panel, panels] = panel_plan(N, K, parts, sizeof(int16_t));
+  const int64_t padded = cpu::quant::int16_padded_rows(rows_per_panel);
+  const int64_t groups = K / cpu::quant::int16_group_weights(fmt);
+  float* out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    const auto quants = std::make_unique_for_overwrite<int16_t[]>(padded * K);
+    const auto scales = std::make_unique_for_overwrite<float[]>(padded * groups);
+    const auto offsets = std::make_unique_for_overwrite<float[]>(padded * (K / 32));
+    const auto y = std::make_unique_for_overwrite<float[]>(T * parts * rows_per_panel);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * rows_per_panel, rows = std::min(rows_per_panel, N - n0);
+      for (int64_t part = 0; part < parts; ++part) {
+        cpu::quant::unpack_rows_int16(fmt, w + (part * half + n0) * row_bytes, K, rows,
+                                      quants.get(), scales.get(), offsets.get());
+        cpu::quant::gemm_rows_int16(fmt, x_int16.get(), T, K, quants.get(), scales.get(),
+                                    offsets.get(), rows, y.get() + part * rows, parts * rows);
+      }
+      epilogue<act, float, float>(y.get(), parts == 2 ? y.get() + rows : nullptr, parts * rows,
+                                  T, rows, bias ? bias + n0 : nullptr,
+                                  bias && half ? bias + half + n0 : nullptr,
+                                  residual ? residual + n0 : nullptr, out_ptr + n0, N);
     }
   });
 }
@@ -180,7 +238,7 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
     const Int8Path path = int8_path(isa, fmt, T, int8_activations);
     constexpr bool kFloat = std::is_same_v<scalar_t, float>;
     const int64_t dot_max_t = path == Int8Path::kAmx ? (kFloat ? T : kAmxMaxTBf16)
-                              : kFloat               ? kDotMaxTFloat
+                              : kFloat ? (isa == Isa::kAvx512Vnni ? kDotMaxTInt16 : kDotMaxTFloat)
                                                      : kDotMaxTBf16;
     if (T <= dot_max_t) {
       const at::Tensor x_float = x.to(at::kFloat).contiguous();
@@ -203,6 +261,9 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
       }
       return dot_linear<scalar_t, a>(isa, fmt, xf, path, x_int8_ptr, T, K, w, bias_ptr, res_ptr,
                                      out.data_ptr<scalar_t>(), n_out);
+    }
+    if constexpr (kFloat) {
+      if (isa == Isa::kAvx512Vnni) return int16_linear<a>(fmt, x, w, bias_ptr, res_ptr, out);
     }
     panel_linear<scalar_t, a>(isa, fmt, x, w, bias_ptr, res_ptr, out);
   };

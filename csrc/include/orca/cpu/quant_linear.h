@@ -58,6 +58,22 @@ void quantize_activations_amx(Format format, const float* x, int64_t T, int64_t 
 void dot_rows_amx(Format format, const void* x_amx, int64_t T, int64_t K, const uint8_t* w,
                   int64_t rows, float* y, int64_t y_stride);
 
+// kAvx512Vnni's GEMM for more tokens (quant_int16.h): x [T, K] rounded to int16 per block in
+// tiles of 16 tokens (int16_activation_bytes(T, K) bytes; tiles [begin, end) per call, so that
+// threads can share them); a panel of `rows` rows of w unpacked into int16_padded_rows(rows)
+// rows of quants [padded, K], scales [padded, K / int16_group_weights(format)] and offsets
+// [padded, K / 32]; and all T tokens against the panel.
+int64_t int16_activation_bytes(int64_t T, int64_t K);
+void quantize_activations_int16(const float* x, int64_t T, int64_t K, int64_t begin,
+                                int64_t end, void* x_int16);
+int64_t int16_group_weights(Format format);
+int64_t int16_padded_rows(int64_t rows);
+void unpack_rows_int16(Format format, const uint8_t* w, int64_t K, int64_t rows,
+                       int16_t* quants, float* scales, float* offsets);
+void gemm_rows_int16(Format format, const void* x_int16, int64_t T, int64_t K,
+                     const int16_t* quants, const float* scales, const float* offsets,
+                     int64_t rows, float* y, int64_t y_stride);
+
 // The rows of w dequantized into out [rows, K]: float32, or bfloat16 bits rounded to nearest even.
 void dequantize_rows(Isa isa, Format format, const uint8_t* w, int64_t K, int64_t rows,
                      float* out);
