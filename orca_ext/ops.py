@@ -153,8 +153,9 @@ def _apply_token_bitmask_fake(logits, bitmask, indices=None):
     return None
 
 
-# The GGUF block formats quantized_linear and quantized_embedding read, by ggml's type names.
-QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K")
+# The block formats quantized_linear and quantized_embedding read: GGUF's, by ggml's type names,
+# and orca's q8_m (orca_ext.quantize).
+QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q8_m", "q4_K", "q5_K", "q6_K")
 
 
 def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, format: str, in_features: int,
@@ -166,7 +167,8 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, format: str, in_fea
     """``packed_linear`` with the weight ``[N, in_features]`` held as GGUF blocks: ``qweight``
     is uint8 ``[N, in_features / block_weights * block_bytes]``, each row the blocks llama.cpp
     stores for ``format`` (per 32 weights ``q8_0``: 34 bytes, ``q4_0``: 18, ``q4_1``: 20,
-    ``q5_0``: 22, ``q5_1``: 24; per 256 weights, in_features a multiple of 256, ``q4_K``: 144,
+    ``q5_0``: 22, ``q5_1``: 24, orca's ``q8_m``: 36; per 256 weights, in_features a multiple of
+    256, ``q4_K``: 144,
     ``q5_K``: 176, ``q6_K``: 210; see ``orca_ext.quantize``). ``x [T, in_features]`` is float32
     or bfloat16 and the output is in its dtype; bias, activation, residual and norm as in
     ``packed_linear`` (CPU only).

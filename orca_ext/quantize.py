@@ -2,9 +2,11 @@
 own ``gguf.quants``: the bytes a GGUF file of the same weights would hold.
 
 The formats, by ggml's type names: blocks of 32 weights (q8_0, q4_0, q4_1, q5_0, q5_1) and
-super-blocks of 256 (the K-quants q4_K, q5_K, q6_K). ``quantize_weight`` makes q8_0, q4_0 and
-q4_1 (the formats a model is quantized to at load); ``dequantize_weight`` reads them all;
-``as_exact_q8_0`` rewrites q4_0 / q5_0 blocks as the q8_0 blocks of the same weights."""
+super-blocks of 256 (the K-quants q4_K, q5_K, q6_K); and orca's own q8_m (blocks of 32 uint8
+quants with an fp16 scale d and min m, w = q d + m), which holds every 32-weight format's blocks
+exactly. ``quantize_weight`` makes q8_0, q4_0 and q4_1 (the formats a model is quantized to at
+load); ``dequantize_weight`` reads them all; ``as_exact`` rewrites 32-weight blocks as the q8_0
+(from q4_0 / q5_0) or q8_m blocks of the same weights."""
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -18,14 +20,20 @@ if TYPE_CHECKING:
 
 # Each format's weights per block and bytes per block, as ggml-common.h lays them out.
 BLOCK_LAYOUTS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22),
-                 "q5_1": (32, 24), "q4_K": (256, 144), "q5_K": (256, 176), "q6_K": (256, 210)}
+                 "q5_1": (32, 24), "q8_m": (32, 36), "q4_K": (256, 144), "q5_K": (256, 176),
+                 "q6_K": (256, 210)}
+# The formats GGUF files store (ggml's types; q8_m is orca's own).
+GGUF_FORMATS = tuple(f for f in BLOCK_LAYOUTS if f != "q8_m")
 # The formats quantize_weight makes.
 QUANTIZE_FORMATS = ("q8_0", "q4_0", "q4_1")
 # ``quantization``'s values besides None (``model/quantized.py`` says what each does).
 QUANTIZATIONS = ("none", *QUANTIZE_FORMATS)
 # The formats whose blocks are q8_0 blocks in fewer bits (w = (q - offset) d, the same d), by
-# their quants' offset: as_exact_q8_0 rewrites them exactly.
+# their quants' offset: as_exact rewrites them exactly.
 EXACT_IN_Q8_0 = {"q8_0": 0, "q4_0": 8, "q5_0": 16}
+# The formats whose blocks q8_m holds exactly (every 32-weight one): the offset of their unsigned
+# quants (q8_0's int8 read as uint8 + 128), None where the block stores a min.
+EXACT_IN_Q8_M = {"q8_0": 128, "q4_0": 8, "q5_0": 16, "q4_1": None, "q5_1": None, "q8_m": None}
 
 
 def check_quantization(quantization: str | None,
@@ -76,31 +84,67 @@ def quantize_weight(weight: torch.Tensor, format: str) -> torch.Tensor:
 
 def dequantize_weight(qweight: torch.Tensor, format: str, in_features: int) -> torch.Tensor:
     """float32 ``[N, in_features]``: the weights the blocks ``qweight`` (from ``quantize_weight``
-    or a GGUF file) hold, through ``gguf.quants.dequantize``."""
+    or a GGUF file) hold, through ``gguf.quants.dequantize`` (q8_m: q d + m in float32, the
+    product exact and the sum rounded once, as gguf computes q4_1's)."""
     from gguf import quants
 
-    qtype = _quant_type(format, BLOCK_LAYOUTS)
+    if format not in BLOCK_LAYOUTS:
+        raise ValueError(f"format must be one of {list(BLOCK_LAYOUTS)}, got {format!r}")
     expected = row_bytes(format, in_features)
     if (qweight.dim() != 2 or in_features % block_weights(format)
             or qweight.shape[1] != expected):
         raise ValueError(f"qweight must be uint8 [N, {expected}] for in_features = "
                          f"{in_features} in {format}, got shape {tuple(qweight.shape)}")
-    data = qweight.detach().to(device="cpu", dtype=torch.uint8).contiguous().numpy()
-    return torch.from_numpy(np.ascontiguousarray(quants.dequantize(data, qtype)))
+    data = qweight.detach().to(device="cpu", dtype=torch.uint8).contiguous()
+    if format == "q8_m":
+        blocks = data.reshape(data.shape[0], -1, BLOCK_LAYOUTS[format][1])
+        d, m = (blocks[..., i:i + 2].contiguous().view(torch.float16).float() for i in (0, 2))
+        return (blocks[..., 4:].float() * d + m).reshape(data.shape[0], -1)
+    qtype = _quant_type(format, GGUF_FORMATS)
+    return torch.from_numpy(np.ascontiguousarray(quants.dequantize(data.numpy(), qtype)))
 
 
-def as_exact_q8_0(qweight: torch.Tensor, format: str) -> torch.Tensor:
-    """The q8_0 blocks (uint8 ``[N, K / 32 * 34]``) of the weights that the ``format`` blocks
-    ``qweight`` (q4_0 or q5_0) hold: each block's d kept and its quants minus their
-    offset as int8, so both dequantize to the same float32 values (q * d, exact)."""
-    offset = EXACT_IN_Q8_0[format]
-    blocks = qweight.reshape(qweight.shape[0], -1, BLOCK_LAYOUTS[format][1])
-    d = blocks[..., :2]
+def _unsigned_quants(blocks: torch.Tensor, format: str) -> torch.Tensor:
+    """int16 ``[..., 32]``: the quants of 32-weight ``blocks [..., block bytes]`` as unsigned
+    values in weight order (q8_0's int8 plus 128)."""
+    if format in ("q8_0", "q8_m"):
+        quants = blocks[..., -32:]
+        return (quants.view(torch.int8).to(torch.int16) + 128 if format == "q8_0"
+                else quants.to(torch.int16))
     nibbles = blocks[..., -16:]
     q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)  # weights 0-15, then 16-31
-    if format == "q5_0":
+    if format in ("q5_0", "q5_1"):
         bits = torch.arange(8, dtype=torch.uint8)
-        high = (blocks[..., 2:6, None] >> bits) & 1  # [.., byte, bit]: bit j of the u32 qh
+        qh = 2 if format == "q5_0" else 4
+        high = (blocks[..., qh:qh + 4, None] >> bits) & 1  # [.., byte, bit]: bit j of the u32 qh
         q = q | (high.reshape(*q.shape) << 4)
-    quants = (q.to(torch.int16) - offset).to(torch.int8).view(torch.uint8)
-    return torch.cat([d, quants], dim=-1).reshape(qweight.shape[0], -1)
+    return q.to(torch.int16)
+
+
+def as_exact(qweight: torch.Tensor, format: str, target: str) -> torch.Tensor:
+    """The ``target`` blocks (uint8 ``[N, K / 32 * block bytes]``) of the weights that the
+    ``format`` blocks ``qweight`` hold, dequantizing to the same float32 values: q8_0 from
+    EXACT_IN_Q8_0 (each block's d kept, its quants minus their offset as int8), q8_m from
+    EXACT_IN_Q8_M (d kept, the unsigned quants, m = -offset d or the block's own m; the products
+    q d are exact, so one rounding of q d + m gives the source's values)."""
+    exact = EXACT_IN_Q8_0 if target == "q8_0" else EXACT_IN_Q8_M
+    if target not in ("q8_0", "q8_m") or format not in exact:
+        raise ValueError(f"{format} blocks are not held exactly by {target}")
+    blocks = qweight.reshape(qweight.shape[0], -1, BLOCK_LAYOUTS[format][1])
+    d = blocks[..., :2]
+    q = _unsigned_quants(blocks, format)
+    if target == "q8_0":
+        offset = 128 if format == "q8_0" else exact[format]
+        parts = [d, (q - offset).to(torch.int8).view(torch.uint8)]
+    else:
+        offset = exact[format]
+        if offset is None:
+            m = blocks[..., 2:4]
+        else:
+            m = (-offset * d.contiguous().view(torch.float16).float()).half()
+            if not torch.isfinite(m).all():
+                raise ValueError(f"{format} blocks with scales beyond float16's range / "
+                                 f"{offset} have no q8_m form")
+            m = m.view(torch.uint8)
+        parts = [d, m, q.to(torch.uint8)]
+    return torch.cat(parts, dim=-1).reshape(qweight.shape[0], -1)

@@ -1,7 +1,8 @@
 """ops.quantized_linear on GGUF blocks (q8_0 / q4_0 / q4_1 quantized by gguf-py; q5_0 / q5_1 and
-the K-quants q4_K / q5_K / q6_K as random valid blocks) against gguf.quants.dequantize and a
-float64 matmul (the epilogue in float64 through reference_ops), on every kernel path this CPU
-runs; orca_ext.quantize against gguf.quants."""
+the K-quants q4_K / q5_K / q6_K as random valid blocks; orca's q8_m as random blocks, its
+reference q d + m in torch) against gguf.quants.dequantize and a float64 matmul (the epilogue in
+float64 through reference_ops), on every kernel path this CPU runs; orca_ext.quantize against
+gguf.quants."""
 from __future__ import annotations
 
 import functools
@@ -15,16 +16,18 @@ from gguf import GGMLQuantizationType, quants
 import reference_ops as ref
 from gguf_files import random_blocks
 from orca_ext import _C, ops
-from orca_ext.quantize import QUANTIZE_FORMATS, block_weights, dequantize_weight, quantize_weight
+from orca_ext.quantize import (EXACT_IN_Q8_0, EXACT_IN_Q8_M, QUANTIZE_FORMATS, as_exact,
+                               block_weights, dequantize_weight, quantize_weight)
 
 FORMATS = list(QUANTIZE_FORMATS)
 # The formats run as stored from GGUF files, which gguf-py does not quantize (K-quants) or
 # orca_ext.quantize does not make: random valid blocks. avx512_vnni's int8 kernels read them
 # too; amx_int8's tiles do not.
-STORED_FORMATS = ["q5_0", "q5_1", "q4_K", "q5_K", "q6_K"]
+STORED_FORMATS = ["q5_0", "q5_1", "q8_m", "q4_K", "q5_K", "q6_K"]
 # The largest |q * scale| of each stored format per unit of its float16 scales (q6_K: 128 * 32),
 # so that random blocks get weights of order 1 / sqrt(K).
-STORED_RANGE = {"q5_0": 16, "q5_1": 32, "q4_K": 63 * 15, "q5_K": 63 * 31, "q6_K": 128 * 32}
+STORED_RANGE = {"q5_0": 16, "q5_1": 32, "q8_m": 256, "q4_K": 63 * 15, "q5_K": 63 * 31,
+                "q6_K": 128 * 32}
 ISAS = ["portable", "avx2", "avx512", "avx512_vnni", "amx_int8"]
 INT8_MAX_T = 2  # up to this many tokens avx512_vnni splits the activations into int8 parts
 DOT_MAX_T_INT16 = 8  # beyond this many float32 tokens avx512_vnni rounds them to int16 blocks
@@ -64,7 +67,10 @@ def quantized(fmt: str, K: int, N: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A random weight [N, K] (a linear layer's scale) as blocks, and their dequantized values:
     quantized by gguf-py, or for the stored formats random blocks (float16 scales down to
     subnormal ones for the K-quants)."""
-    if fmt in STORED_FORMATS:
+    if fmt == "q8_m":
+        rng = np.random.default_rng(K * 1000 + N)
+        q = torch.from_numpy(random_q8_m(N, K, rng, 1 / (K ** 0.5 * STORED_RANGE[fmt])))
+    elif fmt in STORED_FORMATS:
         rng = np.random.default_rng(K * 1000 + N)
         kind = GGMLQuantizationType[fmt.upper()]
         q = torch.from_numpy(random_blocks(kind, N, K, rng, 1 / (K ** 0.5 * STORED_RANGE[fmt])))
@@ -72,6 +78,17 @@ def quantized(fmt: str, K: int, N: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(K * 1000 + N)
         q = quantize_weight(torch.randn(N, K, generator=gen) / K ** 0.5, fmt)
     return q, dequantize_weight(q, fmt, K)
+
+
+def random_q8_m(rows: int, cols: int, rng: np.random.Generator, scale: float) -> np.ndarray:
+    """uint8 ``[rows, cols / 32 * 36]``: q8_m blocks of random quants, float16 d in
+    ``[scale / 10, 1.1 scale)`` and m in ``(-160 d, -96 d)`` (weights around zero)."""
+    shape = (rows, cols // 32)
+    d = (rng.random(shape) * scale + scale / 10).astype(np.float16)
+    m = (-(rng.random(shape) * 64 + 96) * d.astype(np.float32)).astype(np.float16)
+    quants = rng.integers(0, 256, size=(*shape, 32), dtype=np.uint8)
+    parts = [d.view(np.uint8).reshape(*shape, 2), m.view(np.uint8).reshape(*shape, 2), quants]
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
 
 
 def int8x2_rounded(rows: torch.Tensor, lo_steps: int) -> torch.Tensor:
@@ -163,7 +180,8 @@ def test_quantized_linear_stored_formats(isa, fmt, dtype, T, shape):
 
 @pytest.mark.parametrize("fmt", STORED_FORMATS)
 def test_stored_formats_dequantize_as_gguf(isa, fmt):
-    """The kernels' float32 weights are gguf's bit for bit (quantized_embedding returns them)."""
+    """The kernels' float32 weights are gguf's bit for bit (quantized_embedding returns them; q8_m:
+    its torch reference's)."""
     K = 3 * block_weights(fmt)
     q, w = quantized(fmt, K, 9)
     assert torch.equal(ops.quantized_embedding(torch.arange(9), q, fmt, K), w)
@@ -327,7 +345,9 @@ def test_opcheck():
 
 ERROR_CASES = [
     (dict(format="q2_K"), "format must be one of 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', "
-                          "'q4_K', 'q5_K', 'q6_K', got 'q2_K'"),
+                          "'q8_m', 'q4_K', 'q5_K', 'q6_K', got 'q2_K'"),
+    (dict(format="q8_m"), "qweight has 34 bytes per row but in_features = 32 in q8_m blocks "
+                          "takes 36"),
     (dict(x=torch.randn(4, 40), in_features=40),
      "in_features must be a non-negative multiple of 32 .*got 40"),
     (dict(format="q4_K"), r"in_features must be a non-negative multiple of 256 \(the block size "
@@ -411,6 +431,39 @@ def test_quantize_weight_matches_gguf(fmt):
     # Each weight within a quantization step of its block's range (q8_0: 1/127 of its max).
     step = w.abs().amax(1, keepdim=True) / (127 if fmt == "q8_0" else 7)
     assert ((deq - w).abs() <= step).all()
+
+
+# 32-weight GGUF formats as stored (gguf-py quantizes the first three) and the formats that
+# hold them exactly.
+EXACT_CASES = [(fmt, target) for target, exact in (("q8_0", EXACT_IN_Q8_0), ("q8_m", EXACT_IN_Q8_M))
+               for fmt in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1") if fmt in exact]
+
+
+@pytest.mark.parametrize("fmt,target", EXACT_CASES)
+def test_as_exact_holds_the_same_weights(fmt, target):
+    """as_exact's blocks dequantize (q8_m through its torch reference) to gguf's dequantization
+    of the source blocks bit for bit, and the kernels read them as such."""
+    K = 288
+    q, w = quantized(fmt, K, 33)
+    if fmt in QUANTIZE_FORMATS:
+        q = q.clone()
+        q[5, :2] = torch.tensor([0, 0], dtype=torch.uint8)  # a zero scale
+    w = torch.from_numpy(quants.dequantize(q.numpy(), GGMLQuantizationType[fmt.upper()]))
+    exact = as_exact(q, fmt, target)
+    assert exact.shape == (33, K // 32 * {"q8_0": 34, "q8_m": 36}[target])
+    assert torch.equal(dequantize_weight(exact, target, K), w)
+    assert torch.equal(ops.quantized_embedding(torch.arange(33), exact, target, K), w)
+
+
+def test_as_exact_errors():
+    q, _ = quantized("q4_1", 64, 3)
+    with pytest.raises(ValueError, match="q4_1 blocks are not held exactly by q8_0"):
+        as_exact(q, "q4_1", "q8_0")
+    with pytest.raises(ValueError, match="q4_K blocks are not held exactly by q8_m"):
+        as_exact(torch.zeros(3, 144, dtype=torch.uint8), "q4_K", "q8_m")
+    big = quantize_weight(torch.full((1, 32), 65500.0), "q8_0")  # d = 515.5: -128 d overflows
+    with pytest.raises(ValueError, match="beyond float16's range"):
+        as_exact(big, "q8_0", "q8_m")
 
 
 def test_quantize_weight_errors():

@@ -136,17 +136,18 @@ def test_greedy_outputs_match_the_dequantized_model(native_and_float):
 
 
 def test_mixed_and_unread_types_convert_to_q8_0(tmp_path, caplog):
-    """A fused weight whose parts differ in format, and Q2_K / Q3_K, load as q8_0 (dequantized,
-    then quantized: within q8_0's rounding of the file's values), with one logged note."""
+    """A fused weight whose parts mix a K-quant with another format (no format of ours holds
+    both), and Q2_K / Q3_K, load as q8_0 (dequantized, then quantized: within q8_0's rounding of
+    the file's values), with one logged note."""
     types = native_types("llama")
-    types["blk.0.attn_k.weight"] = Q.Q8_0  # q and v stay Q4_1
+    types["blk.0.attn_k.weight"] = Q.Q4_K  # q and v stay Q4_1
     types["blk.1.ffn_down.weight"] = Q.Q3_K
     types["blk.1.ffn_gate.weight"] = types["blk.1.ffn_up.weight"] = Q.Q2_K
     path = write_gguf(make_model("llama"), "llama", tmp_path / "mixed.gguf", types)
     with caplog.at_level(logging.INFO, logger="orca_ext.model.quantized"):
         native = load_model(str(path))
     notes = [r.getMessage() for r in caplog.records if "converted to q8_0" in r.getMessage()]
-    assert len(notes) == 1 and "3 weights" in notes[0] and "Q4_1+Q8_0" in notes[0]
+    assert len(notes) == 1 and "3 weights" in notes[0] and "Q4_1+Q4_K" in notes[0]
     dequantized = load_model(str(path), quantization="none")
     floats = dict(dequantized.model.named_modules())
     for name in ("layers.0.attn.qkv", "layers.1.mlp.down", "layers.1.mlp.up"):
@@ -219,6 +220,35 @@ def test_q5_0_and_q4_0_parts_beside_q8_0_load_exactly_as_q8_0(tmp_path, caplog):
     rounded = _C.get_isa("quant") in ("avx512_vnni", "amx_int8")
     torch.testing.assert_close(forward_logits(native, TOKENS), want, rtol=0 if rounded else 1e-4,
                                atol=(1e-3 * float(want.abs().max())) if rounded else 1e-4)
+
+
+def test_mixed_32_weight_parts_load_exactly_as_q8_m(tmp_path, caplog):
+    """A fused qkv of Q5_1 q and k beside a Q8_0 v (llama.cpp's Q5_K_M files where a row is
+    not a multiple of 256), a fused gate / up of Q4_1 and Q5_0: q8_m blocks of the very same
+    weights (no conversion note), bit for bit, and the model's logits; the fused stack's decode
+    steps equal the per-op blocks bit for bit."""
+    types = native_types("llama")
+    types["blk.0.attn_q.weight"] = types["blk.0.attn_k.weight"] = Q.Q5_1
+    types["blk.0.attn_v.weight"] = Q.Q8_0
+    types["blk.1.ffn_gate.weight"], types["blk.1.ffn_up.weight"] = Q.Q4_1, Q.Q5_0
+    path = write_gguf(make_model("llama"), "llama", tmp_path / "mixed.gguf", types)
+    with caplog.at_level(logging.INFO, logger="orca_ext.model.quantized"):
+        native = load_model(str(path))
+    assert not [r for r in caplog.records if "converted" in r.getMessage()]
+    dequantized = load_model(str(path), quantization="none")
+    for fused, float_layer in ((native.model.layers[0].attn.qkv,
+                                dequantized.model.layers[0].attn.qkv),
+                               (native.model.layers[1].mlp.up, dequantized.model.layers[1].mlp.up)):
+        assert fused.format == "q8_m"
+        assert torch.equal(_float_weight(fused), float_layer.weight)
+    want = forward_logits(dequantized, TOKENS)
+    rounded = _C.get_isa("quant") in ("avx512_vnni", "amx_int8")  # as in the test above
+    torch.testing.assert_close(forward_logits(native, TOKENS), want, rtol=0 if rounded else 1e-4,
+                               atol=(1e-3 * float(want.abs().max())) if rounded else 1e-4)
+    (want, want_caches), (got, got_caches) = run_both(native, BATCHES["decode_4"])
+    assert torch.equal(got, want)
+    for (k_want, v_want), (k_got, v_got) in zip(want_caches, got_caches):
+        assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
 
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
@@ -388,7 +418,7 @@ def test_quantized_embedding_opcheck():
 
 @pytest.mark.parametrize("change,message", [
     (dict(format="iq4_nl"), "format must be one of 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', "
-                            "'q4_K', 'q5_K', 'q6_K', got 'iq4_nl'"),
+                            "'q8_m', 'q4_K', 'q5_K', 'q6_K', got 'iq4_nl'"),
     (dict(format="q4_K"), "embedding_dim must be a non-negative multiple of 256 (the block "
                           "size of q4_K), got 32"),
     (dict(format="q6_K", embedding_dim=256), "qweight has 34 bytes per row but embedding_dim "

@@ -48,10 +48,10 @@ class DecoderStack : public torch::CustomClassHolder {
   // x += post_mlp_norm(down(act(up(norm(x))))), the post norms where given. `weights` maps
   // names to tensors: attn_norm, qkv, out, mlp_norm, up, down (required); attn_norm_bias,
   // qkv_bias, out_bias, mlp_norm_bias, up_bias, down_bias, q_norm, k_norm, post_attn_norm,
-  // post_mlp_norm (optional, but the same set in every layer). `formats` names the GGUF format
-  // (any quantized_linear reads: 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q4_K', 'q5_K',
-  // 'q6_K') of each of qkv, out, up, down that holds blocks; the others are float weights of
-  // the hidden states' dtype.
+  // post_mlp_norm (optional, but the same set in every layer). `formats` names the block format
+  // (any quantized_linear reads: 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_m', 'q4_K',
+  // 'q5_K', 'q6_K') of each of qkv, out, up, down that holds blocks; the others are float
+  // weights of the hidden states' dtype.
   void add_layer(const c10::Dict<std::string, at::Tensor>& weights,
                  const c10::Dict<std::string, std::string>& formats, double scale,
                  int64_t window, int64_t rotary);

@@ -44,6 +44,7 @@ void dispatch_format(Format format, const Fn& f) {
   switch (format) {
     case Format::kQ5_0: return f.template operator()<Format::kQ5_0>();
     case Format::kQ5_1: return f.template operator()<Format::kQ5_1>();
+    case Format::kQ8_M: return f.template operator()<Format::kQ8_M>();
     case Format::kQ4_K: return f.template operator()<Format::kQ4_K>();
     case Format::kQ5_K: return f.template operator()<Format::kQ5_K>();
     case Format::kQ6_K: return f.template operator()<Format::kQ6_K>();

@@ -47,15 +47,15 @@ constexpr int64_t kPanelBytes = 1024 * 1024;  // per thread: a dequantized panel
 // The formats by their ggml type names.
 constexpr std::pair<const char*, Format> kFormatNames[] = {
     {"q8_0", Format::kQ8_0}, {"q4_0", Format::kQ4_0}, {"q4_1", Format::kQ4_1},
-    {"q5_0", Format::kQ5_0}, {"q5_1", Format::kQ5_1}, {"q4_K", Format::kQ4_K},
-    {"q5_K", Format::kQ5_K}, {"q6_K", Format::kQ6_K}};
+    {"q5_0", Format::kQ5_0}, {"q5_1", Format::kQ5_1}, {"q8_m", Format::kQ8_M},
+    {"q4_K", Format::kQ4_K}, {"q5_K", Format::kQ5_K}, {"q6_K", Format::kQ6_K}};
 
 Format parse_quant_format(c10::string_view name, const char* what) {
   for (const auto& [known, format] : kFormatNames) {
     if (name == known) return format;
   }
-  TORCH_CHECK(false, what, " must be one of 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q4_K', "
-              "'q5_K', 'q6_K', got '", std::string(name), "'");
+  TORCH_CHECK(false, what, " must be one of 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_m', "
+              "'q4_K', 'q5_K', 'q6_K', got '", std::string(name), "'");
 }
 
 QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& qweight,

@@ -2,7 +2,8 @@
 that hold them, and filling them from a checkpoint.
 
 ``quantization`` (``EngineConfig``, ``load_model``): None runs a GGUF file in its stored formats
-(Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks as stored; other quantized types,
+(Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks as stored, a fused weight of
+32-weight parts in different formats rewritten exactly as q8_0 or q8_m; other quantized types,
 Q2_K and Q3_K, converted to q8_0 at load) and any other model unquantized; ``"none"``
 dequantizes everything; ``"q8_0"``, ``"q4_0"``, ``"q4_1"`` quantize every linear weight (and a
 tied embedding with the output head) at load. Quantized models run float32 activations by
@@ -19,15 +20,15 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..quantize import (BLOCK_LAYOUTS, EXACT_IN_Q8_0, as_exact_q8_0,
-                        block_weights, quantize_weight, row_bytes)
+from ..quantize import (EXACT_IN_Q8_0, EXACT_IN_Q8_M, GGUF_FORMATS, as_exact, block_weights,
+                        quantize_weight, row_bytes)
 from .layers import Embedding, LayerNorm, Layer, Linear, RMSNorm
 from .weights import Checkpoint, HFWeight
 
 _log = logging.getLogger(__name__)
 
 # GGUF tensor types the quantized kernels read as stored, by their format names.
-NATIVE_TYPES = {format.upper(): format for format in BLOCK_LAYOUTS}
+NATIVE_TYPES = {format.upper(): format for format in GGUF_FORMATS}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # The format other quantized GGUF types (Q2_K, Q3_K) are converted to at load.
 CONVERTED_FORMAT = "q8_0"
@@ -108,8 +109,9 @@ class QuantizedEmbedding(Layer):
 @dataclass(frozen=True)
 class QuantizedWeight:
     """How one parameter is filled: GGUF blocks of ``format``, copied as stored (``native``;
-    q4_0 / q5_0 parts of a q8_0 weight rewritten exactly by ``as_exact_q8_0``) or quantized at
-    load from the float weights."""
+    parts stored in another format rewritten exactly by ``as_exact``: q4_0 / q5_0 parts of a
+    q8_0 weight, the 32-weight parts of a q8_m one) or quantized at load from the float
+    weights."""
 
     format: str
     native: bool
@@ -137,7 +139,8 @@ def plan_quantization(model: nn.Module, weight_map: dict[str, HFWeight],
     32; with None, a GGUF checkpoint's quantized tensors (``checkpoint.raw``), native where the
     kernels read the stored type (NATIVE_TYPES; every part of a fused weight in the same one, or
     the parts in Q8_0 and types q8_0 holds exactly, as llama.cpp's Q4_K_M files store a Q8_0 v
-    beside a Q5_0 q and k), else converted to q8_0 with one logged note."""
+    beside a Q5_0 q and k, or else in 32-weight types, all held exactly by q8_m, as its Q5_K_M
+    files store a Q8_0 v beside a Q5_1 q and k), else converted to q8_0 with one logged note."""
     if quantization == "none" or (quantization is None and not hasattr(checkpoint, "raw")):
         return {}
     matrices, tied = _matrices(model), tied_names(model)
@@ -160,6 +163,8 @@ def plan_quantization(model: nn.Module, weight_map: dict[str, HFWeight],
             plan[name] = QuantizedWeight(NATIVE_TYPES[types.pop()], True)
         elif "Q8_0" in types and {t.lower() for t in types} <= EXACT_IN_Q8_0.keys():
             plan[name] = QuantizedWeight("q8_0", True)
+        elif {t.lower() for t in types} <= EXACT_IN_Q8_M.keys():
+            plan[name] = QuantizedWeight("q8_m", True)
         elif width % block_weights(CONVERTED_FORMAT) == 0:
             plan[name] = QuantizedWeight(CONVERTED_FORMAT, False)
             converted.append(f"{name} ({'+'.join(sorted(types))})")
@@ -205,7 +210,7 @@ def load_quantized(out: torch.Tensor, checkpoint: Checkpoint, spec: HFWeight,
                    shape: tuple[int, int], how: QuantizedWeight) -> None:
     """Fill ``out``, the uint8 blocks of a weight of float ``shape`` ``[N, K]``: the stored rows
     (fused parts one after the other; a part stored in another format than ``how.format``
-    rewritten by ``as_exact_q8_0``), or its float parts quantized."""
+    rewritten by ``as_exact``), or its float parts quantized."""
     parts = checkpoint.parts(spec, shape)
     if how.native:
         offset = 0
@@ -216,7 +221,7 @@ def load_quantized(out: torch.Tensor, checkpoint: Checkpoint, spec: HFWeight,
             else:
                 blocks = torch.empty(rows, row_bytes(stored, shape[1]), dtype=torch.uint8)
                 checkpoint.copy_raw_blocks(name, blocks)
-                out[offset:offset + rows].copy_(as_exact_q8_0(blocks, stored))
+                out[offset:offset + rows].copy_(as_exact(blocks, stored, how.format))
             offset += rows
         return
     values = [piece[:].t() if spec.transpose else piece[:] for _, piece in parts]

@@ -39,7 +39,9 @@ inline __m256i shifted_bytes(const uint8_t* p, int shift, char mask) {
 template <Format F>
 inline __m256i chunk_quant_bytes(const uint8_t* row, int64_t c) {
   static_assert(!has_tile_kernels(F));
-  if constexpr (F == Format::kQ5_0 || F == Format::kQ5_1) {
+  if constexpr (F == Format::kQ8_M) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * block_bytes(F) + 4));
+  } else if constexpr (F == Format::kQ5_0 || F == Format::kQ5_1) {
     const Q5Quants fields = q5_quants<F>(row + c * block_bytes(F));
     const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(fields.nibbles));
     const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs),

@@ -10,6 +10,10 @@
 // - q5_0: fp16 d, uint32 qh, uint8 qs[16]; q4_0's nibbles with bit j of qh as bit 4 of weight
 //   j, w[j] = (q[j] - 16) * d (22 bytes).
 // - q5_1: fp16 d, fp16 m, uint32 qh, uint8 qs[16]; w[j] = q[j] * d + m, q[j] as q5_0's (24 bytes).
+// - q8_m (orca's own, not a ggml type): fp16 d, fp16 m, uint8 qs[32]; w[j] = qs[j] * d + m (36
+//   bytes). It holds every other 32-weight format's blocks exactly (q8_0 as int8 + 128 with
+//   m = -128 d, q4_0 / q5_0 with m = -8 d / -16 d, q4_1 / q5_1 as they are): the loader's format
+//   for a fused weight whose parts a GGUF file stores in different ones.
 // Super-blocks of 256 weights, eight sub-blocks of 32 (six-bit scales sc and mins mn of the
 // sub-blocks packed in 12 bytes as ggml's get_scale_min_k4 reads them):
 // - q4_K: fp16 d, fp16 dmin, scales[12], qs[128]; sub-block s takes the low (s even) or high
@@ -30,7 +34,7 @@
 
 namespace orca::cpu::quant {
 
-enum class Format { kQ8_0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K };
+enum class Format { kQ8_0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_M, kQ4_K, kQ5_K, kQ6_K };
 
 // The kernels' unit of weights: a block of the 32-weight formats, a sub-block of the K-quants.
 constexpr int64_t kBlockSize = 32;
@@ -49,6 +53,7 @@ constexpr int64_t block_bytes(Format f) {
     case Format::kQ4_1: return 20;
     case Format::kQ5_0: return 22;
     case Format::kQ5_1: return 24;
+    case Format::kQ8_M: return 36;
     case Format::kQ4_K: return 144;
     case Format::kQ5_K: return 176;
     case Format::kQ6_K: return 210;
@@ -122,10 +127,10 @@ struct ChunkScale {
 template <Format F, typename HalfToFloat>
 inline ChunkScale chunk_scale(const uint8_t* row, int64_t c, const HalfToFloat& half) {
   static_assert(!has_tile_kernels(F));
-  if constexpr (F == Format::kQ5_0 || F == Format::kQ5_1) {
+  if constexpr (F == Format::kQ5_0 || F == Format::kQ5_1 || F == Format::kQ8_M) {
     const uint8_t* block = row + c * block_bytes(F);
     const float d = half(load_u16(block));
-    const float offset = F == Format::kQ5_1 ? half(load_u16(block + 2)) : -16.f * d;
+    const float offset = F == Format::kQ5_0 ? -16.f * d : half(load_u16(block + 2));
     return {{d, d}, {offset, offset}};
   } else {
     const uint8_t* block = row + c / 8 * block_bytes(F);
@@ -162,12 +167,14 @@ inline Q5Quants q5_quants(const uint8_t* block) {
   return {high_bits, block + qh_at + 4};
 }
 
-// Chunk c's 32 unsigned quants (q5: 0-31, q4_K: 0-15, q5_K: 0-31, q6_K: 0-63), one at a time
-// (the vector paths build them 32 at once from the same bytes).
+// Chunk c's 32 unsigned quants (q5: 0-31, q8_m: 0-255, q4_K: 0-15, q5_K: 0-31, q6_K: 0-63), one
+// at a time (the vector paths build them 32 at once from the same bytes).
 template <Format F>
 inline void chunk_quants(const uint8_t* row, int64_t c, uint8_t (&q)[kBlockSize]) {
   static_assert(!has_tile_kernels(F));
-  if constexpr (F == Format::kQ5_0 || F == Format::kQ5_1) {
+  if constexpr (F == Format::kQ8_M) {
+    for (int j = 0; j < kBlockSize; ++j) q[j] = row[c * block_bytes(F) + 4 + j];
+  } else if constexpr (F == Format::kQ5_0 || F == Format::kQ5_1) {
     const auto [qh, qs] = q5_quants<F>(row + c * block_bytes(F));
     for (int j = 0; j < kBlockSize / 2; ++j) {
       q[j] = static_cast<uint8_t>((qs[j] & 15) | ((qh >> j) & 1) << 4);

@@ -64,8 +64,9 @@ inline void quantize_tile(const float* x, int64_t T, int64_t K, int64_t tile, ui
           d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
       // 32 int16 values as 16 int32 pairs, pair i to lane l of row b * 16 + i.
       alignas(64) int32_t packed[16];
-      _mm512_store_si512(packed, _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtsepi32_epi16(q0)),
-                                                    _mm512_cvtsepi32_epi16(q1), 1));
+      _mm512_store_si512(
+          packed, _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtsepi32_epi16(q0)),
+                                     _mm512_cvtsepi32_epi16(q1), 1));
       int32_t* column = pairs + b * 16 * kTileTokens + l;
       for (int i = 0; i < 16; ++i) column[i * kTileTokens] = packed[i];
     }

@@ -55,7 +55,8 @@ constexpr int32_t quant_zero(Format f) {
 }
 
 constexpr bool has_min(Format f) {
-  return f == Format::kQ4_1 || f == Format::kQ5_1 || f == Format::kQ4_K || f == Format::kQ5_K;
+  return f == Format::kQ4_1 || f == Format::kQ5_1 || f == Format::kQ8_M || f == Format::kQ4_K ||
+         f == Format::kQ5_K;
 }
 
 // The block of lane l: contiguous lanes 0-7 are block 0, interleaved lanes 0-3 and 8-11.
@@ -108,13 +109,18 @@ inline void quantize_activations(Format f, const float* x, int64_t T, int64_t K,
 }
 
 // Per lane, the scale (and min) of its block: the fp16 d (and m) of a pair of 32-weight blocks,
-// h0 | h1 << 16 (q8_0, q4_0, q5_0) or d0 | m0 << 16 | d1 << 32 | m1 << 48 (q4_1, q5_1), spread
-// over the lanes of each block.
+// h0 | h1 << 16 (q8_0, q4_0, q5_0) or d0 | m0 << 16 | d1 << 32 | m1 << 48 (q4_1, q5_1, q8_m),
+// spread over the lanes of each block.
 template <Format F>
 inline void spread_scales(uint64_t halves_bits, __m512& d, __m512& m) {
   const __m512 halves =
       _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(halves_bits))));
-  if constexpr (!interleaved_pairs(F)) {
+  if constexpr (!interleaved_pairs(F) && has_min(F)) {
+    d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+                              halves);
+    m = _mm512_permutexvar_ps(_mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3),
+                              halves);
+  } else if constexpr (!interleaved_pairs(F)) {
     d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
                               halves);
   } else if constexpr (!has_min(F)) {
@@ -222,13 +228,17 @@ inline void weight_pair(const uint8_t* row, int64_t p, int64_t blocks, const __m
     std::memcpy(&h0, b0, kHalves);
     if (both) std::memcpy(&h1, b1, kHalves);
     spread_scales<F>(has_min(F) ? h0 | uint64_t{h1} << 32 : h0 | uint64_t{h1} << 16, d, m);
-    if constexpr (F == Format::kQ8_0) {
-      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2));
-      const __m256i hi = both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2))
+    if constexpr (F == Format::kQ8_0 || F == Format::kQ8_M) {
+      constexpr int64_t kQs = F == Format::kQ8_0 ? 2 : 4;
+      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + kQs));
+      const __m256i hi = both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + kQs))
                               : _mm256_setzero_si256();
-      // int8 + 128 as uint8 (vpdpbusd's unsigned operand); BlockPair::off takes the 128 back.
-      bytes = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
-                               _mm512_set1_epi8(static_cast<char>(0x80)));
+      bytes = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      // q8_0: int8 + 128 as uint8 (vpdpbusd's unsigned operand); BlockPair::off takes the 128
+      // back.
+      if constexpr (F == Format::kQ8_0) {
+        bytes = _mm512_xor_si512(bytes, _mm512_set1_epi8(static_cast<char>(0x80)));
+      }
     } else {
       // q5: the 32 high bits after the scales, then the nibbles.
       constexpr int64_t kQh = has_min(F) ? 4 : 2;
