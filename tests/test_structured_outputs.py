@@ -144,7 +144,10 @@ def test_free_requests_unchanged_by_constrained_neighbours(llm):
     for i in (0, 2, 5):
         assert mixed[i].outputs[0].token_ids == reference[i].outputs[0].token_ids
         for got, want in zip(mixed[i].outputs[0].logprobs, reference[i].outputs[0].logprobs):
-            assert got == pytest.approx(want, abs=1e-4)  # (the prompts' KV: prefix-cached)
+            # The prompts' KV is prefix-cached, so each first token comes from a step of the
+            # six prompts (the int16 GEMM rounds activations within max |x| / 65534 of each
+            # block) in one run and of six single tokens (float32) in the other.
+            assert got == pytest.approx(want, abs=2e-3)
     assert re.fullmatch("[a-z]+", mixed[1].outputs[0].text)
     assert re.fullmatch("[0-9]+", mixed[3].outputs[0].text)
     choice = chat(llm, ["Is water wet?"], [SamplingParams(
