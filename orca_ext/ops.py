@@ -168,22 +168,22 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, format: str, in_fea
     is uint8 ``[N, in_features / block_weights * block_bytes]``, each row the blocks llama.cpp
     stores for ``format`` (per 32 weights ``q8_0``: 34 bytes, ``q4_0``: 18, ``q4_1``: 20,
     ``q5_0``: 22, ``q5_1``: 24, orca's ``q8_m``: 36; per 256 weights, in_features a multiple of
-    256, ``q4_K``: 144,
-    ``q5_K``: 176, ``q6_K``: 210; see ``orca_ext.quantize``). ``x [T, in_features]`` is float32
-    or bfloat16 and the output is in its dtype; bias, activation, residual and norm as in
-    ``packed_linear`` (CPU only).
+    256, ``q4_K``: 144, ``q5_K``: 176, ``q6_K``: 210; see ``orca_ext.quantize``).
+    ``x [T, in_features]`` is float32 or bfloat16 and the output is in its dtype; bias,
+    activation, residual and norm as in ``packed_linear`` (CPU only).
 
     The kernels' ISA is the best this CPU runs (``orca_ext._C.quant_isas()`` lists them);
     ``ORCA_QUANT_ISA=portable|avx2|avx512|avx512_vnni|amx_int8`` at load, or
-    ``orca_ext._C.set_isa("quant", name)``, forces one. For ``q8_0``, ``q4_0`` and ``q4_1``,
-    ``avx512_vnni`` and ``amx_int8`` split the activations of up to 2 tokens into two int8 parts
-    per block of 32 (llama.cpp's one int8 rounding plus its remainder: within
-    ``max |x| / 65024`` of the block, finer than bfloat16);
-    the other paths use them as given, and so do they with ``int8_activations=False`` (the
-    models' output heads, whose near-tied logits any rounding may flip). From 3 tokens
-    ``amx_int8`` (the default where the CPU has AMX) multiplies on AMX tiles the activations
-    split the same way (within ``max |x| / 64516``), whatever ``int8_activations`` says. The
-    other formats run on ``avx512``'s float kernels on those two paths.
+    ``orca_ext._C.set_isa("quant", name)``, forces one. ``avx512_vnni`` and ``amx_int8`` split
+    the activations of up to 2 tokens into two int8 parts per block of 32 (llama.cpp's one int8
+    rounding plus its remainder: within ``max |x| / 65024`` of the block, finer than bfloat16),
+    except with ``int8_activations=False`` (the models' output heads, whose near-tied logits any
+    rounding may flip). Whatever ``int8_activations`` says, ``avx512_vnni`` rounds more than 8
+    float32 tokens to int16 per block of 32 (within ``max |x| / 65534``) for its int16 GEMM, and
+    from 3 tokens ``amx_int8`` (the default where the CPU has AMX) multiplies ``q8_0``, ``q4_0``
+    and ``q4_1`` on AMX tiles on activations split in two int8 parts (within
+    ``max |x| / 64516``), the other formats on ``avx512``'s float kernels. The other paths use
+    the activations as given.
     """
     return torch.ops.orca.quantized_linear(x, qweight, format, in_features, bias, activation,
                                            residual, norm, norm_weight, norm_bias, norm_eps,

@@ -28,12 +28,11 @@ GGUF_FORMATS = tuple(f for f in BLOCK_LAYOUTS if f != "q8_m")
 QUANTIZE_FORMATS = ("q8_0", "q4_0", "q4_1")
 # ``quantization``'s values besides None (``model/quantized.py`` says what each does).
 QUANTIZATIONS = ("none", *QUANTIZE_FORMATS)
-# The formats whose blocks are q8_0 blocks in fewer bits (w = (q - offset) d, the same d), by
-# their quants' offset: as_exact rewrites them exactly.
-EXACT_IN_Q8_0 = {"q8_0": 0, "q4_0": 8, "q5_0": 16}
-# The formats whose blocks q8_m holds exactly (every 32-weight one): the offset of their unsigned
-# quants (q8_0's int8 read as uint8 + 128), None where the block stores a min.
-EXACT_IN_Q8_M = {"q8_0": 128, "q4_0": 8, "q5_0": 16, "q4_1": None, "q5_1": None, "q8_m": None}
+# The formats whose blocks q8_0 holds exactly (w = (q - offset) d, the same d) and those q8_m
+# holds exactly (every 32-weight one), by the offset of their unsigned quants q (q8_0's int8
+# read as uint8 + 128; None where the block stores a min m: w = q d + m): as_exact rewrites them.
+EXACT_IN_Q8_0 = {"q8_0": 128, "q4_0": 8, "q5_0": 16}
+EXACT_IN_Q8_M = {**EXACT_IN_Q8_0, "q4_1": None, "q5_1": None, "q8_m": None}
 
 
 def check_quantization(quantization: str | None,
@@ -133,18 +132,15 @@ def as_exact(qweight: torch.Tensor, format: str, target: str) -> torch.Tensor:
     blocks = qweight.reshape(qweight.shape[0], -1, BLOCK_LAYOUTS[format][1])
     d = blocks[..., :2]
     q = _unsigned_quants(blocks, format)
+    offset = exact[format]
     if target == "q8_0":
-        offset = 128 if format == "q8_0" else exact[format]
         parts = [d, (q - offset).to(torch.int8).view(torch.uint8)]
+    elif offset is None:
+        parts = [d, blocks[..., 2:4], q.to(torch.uint8)]
     else:
-        offset = exact[format]
-        if offset is None:
-            m = blocks[..., 2:4]
-        else:
-            m = (-offset * d.contiguous().view(torch.float16).float()).half()
-            if not torch.isfinite(m).all():
-                raise ValueError(f"{format} blocks with scales beyond float16's range / "
-                                 f"{offset} have no q8_m form")
-            m = m.view(torch.uint8)
-        parts = [d, m, q.to(torch.uint8)]
+        m = (-offset * d.contiguous().view(torch.float16).float()).half()
+        if not torch.isfinite(m).all():
+            raise ValueError(f"{format} blocks with scales beyond float16's range / {offset} "
+                             "have no q8_m form")
+        parts = [d, m.view(torch.uint8), q.to(torch.uint8)]
     return torch.cat(parts, dim=-1).reshape(qweight.shape[0], -1)

@@ -26,8 +26,8 @@ constexpr int64_t kInt8MaxT = 2;
 // bfloat16, so taken whether or not the call allows int8 rounding).
 enum class Int8Path { kNone, kVnni, kAmx };
 
-// The format named 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_m', 'q4_K', 'q5_K' or 'q6_K' (ggml's
-// type names); a RuntimeError naming `what` otherwise.
+// The format named 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q4_K', 'q5_K' or 'q6_K' (ggml's
+// type names) or 'q8_m' (orca's); a RuntimeError naming `what` otherwise.
 cpu::quant::Format parse_quant_format(c10::string_view name, const char* what = "format");
 
 struct QuantArgs {

@@ -133,6 +133,8 @@ void dot_rows_amx(Format format, const void* x_amx, int64_t T, int64_t K, const 
                        [&]<Format F>() { amx::dot_rows<F>(x, T, K, w, rows, y, y_stride); });
 }
 
+int64_t int16_tiles(int64_t T) { return int16::tiles(T); }
+
 int64_t int16_activation_bytes(int64_t T, int64_t K) {
   return int16::tiles(T) * int16::tile_bytes(K);
 }

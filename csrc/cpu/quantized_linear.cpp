@@ -44,7 +44,7 @@ constexpr int64_t kDotMaxTInt16 = cpu::quant::kMaxDotTokens;
 constexpr int64_t kAmxMaxTBf16 = 64;
 constexpr int64_t kPanelBytes = 1024 * 1024;  // per thread: a dequantized panel, half an L2
 
-// The formats by their ggml type names.
+// The formats by name: ggml's type names, and orca's q8_m.
 constexpr std::pair<const char*, Format> kFormatNames[] = {
     {"q8_0", Format::kQ8_0}, {"q4_0", Format::kQ4_0}, {"q4_1", Format::kQ4_1},
     {"q5_0", Format::kQ5_0}, {"q5_1", Format::kQ5_1}, {"q8_m", Format::kQ8_M},
@@ -180,7 +180,7 @@ void int16_linear(Format fmt, const at::Tensor& x, const uint8_t* w, const float
   const auto x_int16 =
       std::make_unique_for_overwrite<uint8_t[]>(cpu::quant::int16_activation_bytes(T, K));
   const float* x_ptr = x.data_ptr<float>();
-  at::parallel_for(0, ceil_div(T, int64_t{16}), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, cpu::quant::int16_tiles(T), 1, [&](int64_t begin, int64_t end) {
     cpu::quant::quantize_activations_int16(x_ptr, T, K, begin, end, x_int16.get());
   });
   const auto [rows_per_panel, panels] = panel_plan(N, K, parts, sizeof(int16_t));
@@ -237,8 +237,10 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
     const scalar_t* res_ptr = residual_in ? residual.data_ptr<scalar_t>() : nullptr;
     const Int8Path path = int8_path(isa, fmt, T, int8_activations);
     constexpr bool kFloat = std::is_same_v<scalar_t, float>;
+    const bool int16_gemm = kFloat && isa == Isa::kAvx512Vnni;
     const int64_t dot_max_t = path == Int8Path::kAmx ? (kFloat ? T : kAmxMaxTBf16)
-                              : kFloat ? (isa == Isa::kAvx512Vnni ? kDotMaxTInt16 : kDotMaxTFloat)
+                              : int16_gemm           ? kDotMaxTInt16
+                              : kFloat               ? kDotMaxTFloat
                                                      : kDotMaxTBf16;
     if (T <= dot_max_t) {
       const at::Tensor x_float = x.to(at::kFloat).contiguous();
@@ -263,7 +265,7 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
                                      out.data_ptr<scalar_t>(), n_out);
     }
     if constexpr (kFloat) {
-      if (isa == Isa::kAvx512Vnni) return int16_linear<a>(fmt, x, w, bias_ptr, res_ptr, out);
+      if (int16_gemm) return int16_linear<a>(fmt, x, w, bias_ptr, res_ptr, out);
     }
     panel_linear<scalar_t, a>(isa, fmt, x, w, bias_ptr, res_ptr, out);
   };

@@ -1,6 +1,6 @@
 // The quantized linear's GEMM for prompt-sized batches on AVX-512 VNNI CPUs without AMX, for
 // every format: the activations rounded to int16 per 32-value block (dx = max |x| / 32767,
-// nearest even: within max |x| / 65534 of each block, finer than the int8 paths' two parts),
+// nearest even: within max |x| / 65534 of each block, as fine as the int8 paths' two parts),
 // a panel of weight rows unpacked once into signed int16 quants with one float scale per group
 // (32 weights; q6_K's 16) and, for the formats with a min, one float offset per 32, and
 // vpdpwssd multiplying 16 tokens' int16 pairs by a broadcast pair of a row's quants into int32

@@ -59,10 +59,11 @@ void dot_rows_amx(Format format, const void* x_amx, int64_t T, int64_t K, const 
                   int64_t rows, float* y, int64_t y_stride);
 
 // kAvx512Vnni's GEMM for more tokens (quant_int16.h): x [T, K] rounded to int16 per block in
-// tiles of 16 tokens (int16_activation_bytes(T, K) bytes; tiles [begin, end) per call, so that
-// threads can share them); a panel of `rows` rows of w unpacked into int16_padded_rows(rows)
-// rows of quants [padded, K], scales [padded, K / int16_group_weights(format)] and offsets
-// [padded, K / 32]; and all T tokens against the panel.
+// int16_tiles(T) tiles of 16 tokens (int16_activation_bytes(T, K) bytes; tiles [begin, end) per
+// call, so that threads can share them); a panel of `rows` rows of w unpacked into
+// int16_padded_rows(rows) rows of quants [padded, K], scales [padded, K /
+// int16_group_weights(format)] and offsets [padded, K / 32]; and all T tokens against the panel.
+int64_t int16_tiles(int64_t T);
 int64_t int16_activation_bytes(int64_t T, int64_t K);
 void quantize_activations_int16(const float* x, int64_t T, int64_t K, int64_t begin,
                                 int64_t end, void* x_int16);
