@@ -116,11 +116,12 @@ def int16_rounded(rows: torch.Tensor) -> torch.Tensor:
 
 def rounding(isa: str, T: int, dtype: torch.dtype, fmt: str, int8_activations: bool = True):
     """How the path rounds T tokens of x in fmt: remainders in dx / 256 where avx512_vnni's
-    kernels (on amx_int8 too) take up to INT8_MAX_T tokens, to int16 blocks where avx512_vnni's
-    GEMM takes more than DOT_MAX_T_INT16 float32 tokens, in dx / 254 where amx_int8's tiles take
-    more (not the stored formats), else None (float32 activations)."""
+    kernels (on amx_int8 too; not q8_0 on avx512_vnni) take up to INT8_MAX_T tokens, to int16
+    blocks where avx512_vnni's GEMM takes more than DOT_MAX_T_INT16 float32 tokens, in dx / 254
+    where amx_int8's tiles take more (not the stored formats), else None (float32
+    activations)."""
     if T <= INT8_MAX_T:
-        vnni = isa in ("avx512_vnni", "amx_int8") and int8_activations
+        vnni = (isa == "amx_int8" or (isa == "avx512_vnni" and fmt != "q8_0")) and int8_activations
         return functools.partial(int8x2_rounded, lo_steps=256) if vnni else None
     if isa == "avx512_vnni" and dtype == torch.float32 and T > DOT_MAX_T_INT16:
         return int16_rounded
