@@ -178,8 +178,9 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, format: str, in_fea
     the activations of up to 2 tokens into two int8 parts per block of 32 (llama.cpp's one int8
     rounding plus its remainder: within ``max |x| / 65024`` of the block, finer than bfloat16),
     except ``q8_0`` on ``avx512_vnni`` and with ``int8_activations=False`` (the models' output
-    heads, whose near-tied logits any rounding may flip). Whatever ``int8_activations`` says, ``avx512_vnni`` rounds more than 8
-    float32 tokens to int16 per block of 32 (within ``max |x| / 65534``) for its int16 GEMM, and
+    heads, whose near-tied logits any rounding may flip). Whatever ``int8_activations`` says,
+    ``avx512_vnni`` rounds more than 8 float32 tokens to int16 per block of 32 (within
+    ``max |x| / 65534``) for its int16 GEMM, and
     from 3 tokens ``amx_int8`` (the default where the CPU has AMX) multiplies ``q8_0``, ``q4_0``
     and ``q4_1`` on AMX tiles on activations split in two int8 parts (within
     ``max |x| / 64516``), the other formats on ``avx512``'s float kernels. The other paths use
