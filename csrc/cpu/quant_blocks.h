@@ -49,8 +49,8 @@ QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& q
 
 // The path of T tokens of the format on the ISA (allow_int8: whether the call allows int8
 // rounding). amx_int8 runs the formats without tile kernels beyond kInt8MaxT tokens on
-// AVX-512's float kernels. avx512_vnni runs q8_0 on them at every token count: its int8 kernel
-// is compute-bound below the float kernel's memory rate on weights streamed from DRAM.
+// AVX-512's float kernels; avx512_vnni runs q8_0's 1-2 token steps on them: its int8 kernel is
+// compute-bound below the float kernel's memory rate on weights streamed from DRAM.
 inline Int8Path int8_path(cpu::quant::Isa isa, cpu::quant::Format fmt, int64_t T,
                           bool allow_int8) {
   using cpu::quant::Isa;
