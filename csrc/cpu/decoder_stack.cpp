@@ -33,7 +33,6 @@ namespace {
 
 // The most tokens a stack of quantized layers takes a call (its linears' y scratch).
 constexpr int64_t kQuantStackMaxT = 64;
-static_assert(kQuantStackMaxT <= kRowNormMaxT, "the per-op linears' norms must be the stack's");
 
 struct StackShape {
   int64_t T, hidden, num_heads, num_kv_heads, head_dim, qkv_width, inter;

@@ -11,8 +11,8 @@
 
 namespace orca {
 
-// The most rows normalized on the calling thread (a few KB: less work than a fork-join); more
-// are split across the threads in chunks of this many.
+// Rows per task of the norm (at::parallel_for runs up to this many on the calling thread: a few
+// KB, less work than a fork-join).
 constexpr int64_t kRowNormMaxT = 64;
 
 // The input rows normalized by the DecoderStack's row kernels (orca/cpu/norm.h), row by row, so
@@ -34,7 +34,6 @@ inline at::Tensor normalized_input(const at::Tensor& x, const InputNorm& norm) {
         cpu::rms_norm_rows(in, end - begin, K, w.data_ptr<scalar_t>(), eps, out);
       }
     };
-    if (x.size(0) <= kRowNormMaxT) return rows(0, x.size(0));
     at::parallel_for(0, x.size(0), kRowNormMaxT, rows);
   });
   return y;
