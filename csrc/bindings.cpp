@@ -1,13 +1,16 @@
 // Python module orca_ext._C: loading it registers torch.ops.orca (registration.cpp and the
-// kernels' TORCH_LIBRARY_IMPL blocks); it also binds the KV slot allocator and the greedy
-// sampler's row-wise argmax.
+// kernels' TORCH_LIBRARY_IMPL blocks); it also binds the KV slot allocator, the greedy
+// sampler's row-wise argmax and the GGUF vocabulary's readers (text/gguf_vocab.h).
+#include <pybind11/numpy.h>
 #include <torch/extension.h>
 
 #include <cmath>
+#include <string_view>
 
 #include "cpu/isa_choice.h"
 #include "kv/metadata.h"
 #include "kv/slot_allocator.h"
+#include "text/gguf_vocab.h"
 #if ORCA_EXT_HAS_CUDA
 #include "cuda/test_limits.h"
 #endif
@@ -95,6 +98,71 @@ std::vector<int64_t> argmax_rows(const at::Tensor& logits) {
     out[r] = best;
   }
   return out;
+}
+
+// (strings, bounds [count, 2] int64): the GGUF string array of `count` strings at byte `offset`
+// of `data` (a 1-D buffer of bytes), decoded as UTF-8, and where each one's bytes lie.
+py::tuple gguf_string_array(const py::buffer& data, int64_t offset, int64_t count, bool swap) {
+  const py::buffer_info info = data.request();
+  if (info.ndim != 1 || info.itemsize != 1 || info.strides[0] != 1) {
+    throw py::value_error("gguf_string_array: data must be a contiguous 1-D buffer of bytes");
+  }
+  const auto* bytes = static_cast<const uint8_t*>(info.ptr);
+  std::vector<orca::text::StringBounds> bounds;
+  try {
+    bounds = orca::text::gguf_string_bounds(bytes, info.shape[0], offset, count, swap);
+  } catch (const std::out_of_range& e) {
+    throw py::value_error(e.what());
+  }
+  py::list strings(bounds.size());
+  py::array_t<int64_t> where({static_cast<py::ssize_t>(bounds.size()), py::ssize_t{2}});
+  auto out = where.mutable_unchecked<2>();
+  for (size_t i = 0; i < bounds.size(); ++i) {
+    const auto [begin, end] = bounds[i];
+    PyObject* text = PyUnicode_DecodeUTF8(reinterpret_cast<const char*>(bytes + begin),
+                                          end - begin, "strict");
+    if (text == nullptr) throw py::error_already_set();
+    PyList_SET_ITEM(strings.ptr(), i, text);
+    out(i, 0) = begin;
+    out(i, 1) = end;
+  }
+  return py::make_tuple(strings, where);
+}
+
+// sentencepiece_merges of Python strings: (left, right) pairs of the tokens' own str objects.
+py::list sentencepiece_merges(const py::list& tokens, const std::vector<double>& scores) {
+  std::vector<std::string_view> views(tokens.size());
+  for (size_t i = 0; i < views.size(); ++i) {
+    PyObject* token = PyList_GET_ITEM(tokens.ptr(), i);
+    if (!PyUnicode_Check(token)) {
+      throw py::type_error("sentencepiece_merges: token " + std::to_string(i) +
+                           " is not a str");
+    }
+    Py_ssize_t size = 0;
+    const char* utf8 = PyUnicode_AsUTF8AndSize(token, &size);
+    if (utf8 == nullptr) throw py::error_already_set();
+    views[i] = {utf8, static_cast<size_t>(size)};
+  }
+  for (size_t i = 0; i < scores.size(); ++i) {
+    if (std::isnan(scores[i])) {
+      throw py::value_error("sentencepiece_merges: the score of token " + std::to_string(i) +
+                            " is NaN");
+    }
+  }
+  std::vector<orca::text::Merge> merges;
+  try {
+    merges = orca::text::sentencepiece_merges(views, scores);
+  } catch (const std::invalid_argument& e) {
+    throw py::value_error(e.what());
+  }
+  py::list pairs(merges.size());
+  for (size_t k = 0; k < merges.size(); ++k) {
+    PyObject* pair = PyTuple_Pack(2, PyList_GET_ITEM(tokens.ptr(), merges[k].left),
+                                  PyList_GET_ITEM(tokens.ptr(), merges[k].right));
+    if (pair == nullptr) throw py::error_already_set();
+    PyList_SET_ITEM(pairs.ptr(), k, pair);
+  }
+  return pairs;
 }
 
 }  // namespace
@@ -206,6 +274,14 @@ PYBIND11_MODULE(_C, m) {
       "Tests only: cap the CUDA attention's grid and KV splits, run packed_linear without "
       "cuBLASLt's epilogue (all off by default; orca_ext.testing.cuda_test_limits)");
 #endif
+  m.def("gguf_string_array", &gguf_string_array, py::arg("data"), py::arg("offset"),
+        py::arg("count"), py::arg("swap"),
+        "(strings, bounds): a GGUF string array of `count` strings at byte `offset` of `data` "
+        "(a bytes buffer; `swap`: its counts are not in the machine's byte order), decoded as "
+        "UTF-8, and each one's [begin, end) bytes as an int64 array [count, 2]");
+  m.def("sentencepiece_merges", &sentencepiece_merges, py::arg("tokens"), py::arg("scores"),
+        "SentencePiece BPE's merges implied by a vocabulary (a list of str, one score each), "
+        "as (left, right) pairs of its tokens, in transformers' order");
   m.def("argmax_rows", &argmax_rows, py::arg("logits"),
         "Each row's argmax of float32 CPU logits [rows, vocab] (as torch.argmax), as a list");
 }

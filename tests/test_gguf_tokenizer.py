@@ -1,7 +1,7 @@
 """GGUF tokenizers against transformers' GGUF tokenizer: Gemma 3's SentencePiece vocabulary
 (262,144 tokens with scores, token types and byte fallback) from the built-in ``gemma-3-270m``
-file, on ~60 KB of mixed text and on special-token strings; the vectorized SentencePiece merges
-against transformers' own derivation; and ``GGUFArrayReader`` against gguf's reader."""
+file, on ~60 KB of mixed text and on special-token strings; the compiled core's SentencePiece
+merges against transformers' own derivation; and ``GGUFArrayReader`` against gguf's reader."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,6 @@ import transformers
 from mixed_text import mixed_text
 from transformers.tokenization_utils_base import generate_merges
 
-from orca_ext.model import gguf_tokenizer as gguf_tokenizer_module
 from orca_ext.model.builtin import DEFAULT_MODEL, builtin_gguf_path
 from orca_ext.model.gguf import GGUFFile
 from orca_ext.model.gguf_reader import GGUFArrayReader, contents
@@ -131,20 +130,12 @@ def _random_vocabulary(seed: int) -> tuple[list[str], list[float]]:
 
 @pytest.mark.parametrize("scores_kind", ["ties", "falling"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_merges_equal_transformers_derivation(seed, scores_kind, monkeypatch):
+def test_merges_equal_transformers_derivation(seed, scores_kind):
     tokens, scores = _random_vocabulary(seed)
     if scores_kind == "falling":  # Gemma's: one score per token, falling along the vocabulary
         scores = [-float(i) for i in range(len(tokens))]
     expected = generate_merges({t: i for i, t in enumerate(tokens)}, dict(zip(tokens, scores)))
     assert len(expected) > 100
-    assert merges_from_scores(tokens, scores) == expected
-    # A few tokens at a time (the first chunks: single characters, no split points).
-    monkeypatch.setattr(gguf_tokenizer_module, "_TOKENS_PER_CHUNK", 5)
-    assert merges_from_scores(tokens, scores) == expected
-    # With base 1 a hash is the sum of the code points: anagrams collide (shared token hashes,
-    # pieces that hash as a token of other text), and the result must not change.
-    monkeypatch.setattr(gguf_tokenizer_module, "_BASE", 1)
-    monkeypatch.setattr(gguf_tokenizer_module, "_BASE_INVERSE", 1)
     assert merges_from_scores(tokens, scores) == expected
 
 
@@ -162,8 +153,17 @@ def test_merges_of_duplicate_tokens_follow_the_last_copy():
     assert merges_from_scores(tokens, scores) == [("a", "b"), ("b", "c")]
 
 
-def _all_types_file(path) -> None:
-    writer = gguf.GGUFWriter(str(path), "llama")
+def test_merges_refuse_bad_input():
+    with pytest.raises(ValueError, match="the score of token 1 is NaN"):
+        merges_from_scores(["a", "b", "ab"], [0.0, float("nan"), 0.0])
+    with pytest.raises(ValueError, match="2 scores for 3 tokens"):
+        merges_from_scores(["a", "b", "ab"], [0.0, 0.0])
+    with pytest.raises(TypeError, match="token 2 is not a str"):
+        merges_from_scores(["a", "b", b"ab"], [0.0, 0.0, 0.0])
+
+
+def _all_types_file(path, endianess: gguf.GGUFEndian = gguf.GGUFEndian.LITTLE) -> None:
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=endianess)
     writer.add_uint8("t.u8", 200)
     writer.add_int8("t.i8", -5)
     writer.add_uint16("t.u16", 60000)
@@ -190,11 +190,11 @@ def _all_types_file(path) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("which", ["all types", DEFAULT_MODEL])
+@pytest.mark.parametrize("which", ["all types", "all types, big-endian", DEFAULT_MODEL])
 def test_array_reader_reads_what_gguf_reads(which, tmp_path):
-    if which == "all types":
+    if which.startswith("all types"):
         path = tmp_path / "types.gguf"
-        _all_types_file(path)
+        _all_types_file(path, gguf.GGUFEndian.BIG if "big" in which else gguf.GGUFEndian.LITTLE)
     else:
         path = builtin_gguf_path(which)
     theirs, ours = gguf.GGUFReader(path), GGUFArrayReader(path)
@@ -218,3 +218,41 @@ def test_array_reader_refuses_an_array_past_the_end(tmp_path):
     (tmp_path / "cut.gguf").write_bytes(data[:cut])
     with pytest.raises(ValueError, match="cut.gguf: not a readable GGUF file .*runs past the end"):
         GGUFFile(tmp_path / "cut.gguf")
+
+
+def test_array_reader_string_parts_are_the_strings_bytes(tmp_path):
+    path = tmp_path / "types.gguf"
+    _all_types_file(path)
+    theirs = gguf.GGUFReader(path).fields["t.strings"]
+    mine = GGUFArrayReader(path).fields["t.strings"]
+    assert [bytes(mine.parts[i]) for i in mine.data] == \
+        [bytes(theirs.parts[i]) for i in theirs.data] == \
+        [b"", b"a", "日本".encode(), b"\n", b"x" * 1000]
+    assert [bytes(p) for p in mine.parts[mine.data[0]:]] == [bytes(mine.parts[i]) for i in mine.data]
+    assert bytes(mine.parts[-1]) == b"x" * 1000
+    assert mine.contents(slice(1, 3)) == theirs.contents(slice(1, 3)) == ["a", "日本"]
+    assert mine.contents(-1) == "x" * 1000
+
+
+def test_array_reader_refuses_a_string_count_past_the_end(tmp_path):
+    path = tmp_path / "types.gguf"
+    _all_types_file(path)
+    data = bytearray(path.read_bytes())
+    # t.strings: its key, the array type (9), the item type (8: string), then the count (5).
+    at = data.index(b"t.strings") + len(b"t.strings") + 8
+    assert int.from_bytes(data[at:at + 8], "little") == 5
+    data[at:at + 8] = (1 << 40).to_bytes(8, "little")
+    (tmp_path / "count.gguf").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="count.gguf: not a readable GGUF file .*runs past the end"):
+        GGUFFile(tmp_path / "count.gguf")
+
+
+def test_array_reader_refuses_a_string_that_is_not_utf8(tmp_path):
+    path = tmp_path / "types.gguf"
+    _all_types_file(path)
+    data = path.read_bytes()
+    at = data.index("日本".encode())
+    (tmp_path / "utf8.gguf").write_bytes(data[:at] + b"\xff\xfe\xfd\xfc\xfb\xfa" + data[at + 6:])
+    with pytest.raises(ValueError, match="utf8.gguf: not a readable GGUF file "
+                                         "\\(UnicodeDecodeError"):
+        GGUFFile(tmp_path / "utf8.gguf")

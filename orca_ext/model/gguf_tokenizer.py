@@ -6,7 +6,6 @@ added tokens, user-defined ones (Gemma's ``\\n`` runs) plain added tokens, both 
 the text before BPE."""
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -14,6 +13,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
 
+from .. import _C
 from .tokenizer import Tokenizer, bytes_to_unicode
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ def _byte_level_bpe(file: GGUFFile, tokens: list[str], types: list[int]
     merges = _merges(file)
     if merges is None:
         raise ValueError(f"{file.path}: a byte-level BPE tokenizer needs tokenizer.ggml.merges")
-    inner = _HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(spelled)}, merges=merges))
+    inner = _HFTokenizer(models.BPE(vocab=dict(zip(spelled, range(len(spelled)))), merges=merges))
     splits = [pre_tokenizers.Split(Regex(r), behavior="isolated")
               for r in PRE_TOKENIZER_SPLITS[pre]]
     inner.pre_tokenizer = pre_tokenizers.Sequence(
@@ -140,7 +140,7 @@ def _sentencepiece_bpe(file: GGUFFile, tokens: list[str], types: list[int]
                              "tokenizer.ggml.merges or one score per token")
         merges = merges_from_scores(spelled, scores)
     unk = file.value("tokenizer.ggml.unknown_token_id")
-    vocab = {t: i for i, t in enumerate(spelled)}
+    vocab = dict(zip(spelled, range(len(spelled))))  # a spelled-twice token: its last id
     inner = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
                                     unk_token=spelled[int(unk)] if unk is not None else None))
     # Gemma's SentencePiece model adds no dummy prefix, whatever the file says (transformers).
@@ -159,142 +159,10 @@ def _sentencepiece_bpe(file: GGUFFile, tokens: list[str], types: list[int]
     return inner, specials
 
 
-# Polynomial hashing of substrings modulo 2**64 (numpy's uint64 arithmetic wraps): an odd base,
-# so that it has an inverse.
-_BASE = 0x9E3779B97F4A7C15
-_BASE_INVERSE = pow(_BASE, -1, 1 << 64)
-# Every hash is also multiplied by this odd constant (a bijection, so no new collisions): it
-# spreads small values, such as a one-character token's code point, over the top bits that
-# pick a hash-table bucket.
-_SPREAD = 0xD6E8FEB86659FD93
-# Tokens whose split points are looked up together (~100,000 split points for Gemma 3).
-_TOKENS_PER_CHUNK = 16384
-
-
 def merges_from_scores(tokens: Sequence[str], scores: Sequence[float]
                        ) -> list[tuple[str, str]]:
     """SentencePiece BPE's merges, implied by its vocabulary: every split of a token into two
     tokens, ordered as transformers orders them (best-scored merged token first, then the longer
-    left piece, then vocabulary order).
-
-    Vectorized, as Gemma 3's 262,144 tokens have about 1.2 million split points: each split's
-    two pieces are hashed from prefix sums over all the tokens' code points (the same text
-    hashes the same wherever it sits), looked up in a hash table of the tokens' hashes, and
-    every match is then checked character by character."""
-    count = len(tokens)
-    codes = np.frombuffer("".join(tokens).encode("utf-32-le"), dtype=np.uint32).astype(np.uint64)
-    lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=count)
-    starts = np.zeros(count + 1, dtype=np.int64)
-    np.cumsum(lengths, out=starts[1:])
-    total = len(codes)
-    # sums[i] = sum of codes[j] * BASE**j for j < i; the hash of codes[a:b] is
-    # (sums[b] - sums[a]) * BASE**-a * SPREAD, which does not depend on where the text sits.
-    powers = np.empty(total + 1, dtype=np.uint64)
-    powers[0] = 1
-    np.cumprod(np.full(total, _BASE, dtype=np.uint64), out=powers[1:])
-    inverses = np.empty(total + 1, dtype=np.uint64)
-    inverses[0] = 1
-    np.cumprod(np.full(total, _BASE_INVERSE, dtype=np.uint64), out=inverses[1:])
-    inverses *= np.uint64(_SPREAD)
-    sums = np.zeros(total + 1, dtype=np.uint64)
-    np.cumsum(codes * powers[:total], out=sums[1:])
-
-    def hashes(begin: np.ndarray, end: np.ndarray) -> np.ndarray:
-        return (sums[end] - sums[begin]) * inverses[begin]
-
-    token_hashes = hashes(starts[:-1], starts[1:])
-    by_hash = np.argsort(token_hashes, kind="stable")
-    sorted_hashes = token_hashes[by_hash]
-    # A hash table over the sorted hashes: bucket b (the top bits, 2-4 buckets per token) holds
-    # sorted_hashes[first[b]:first[b + 1]], a few probes where a binary search takes ~18.
-    bits = count.bit_length() + 1
-    shift = np.uint64(64 - bits)
-    first = np.zeros((1 << bits) + 1, dtype=np.int64)
-    np.cumsum(np.bincount((sorted_hashes >> shift).astype(np.int64), minlength=1 << bits),
-              out=first[1:])
-    # Hashes of two or more tokens: duplicate tokens or (not seen in practice) a collision.
-    shared = sorted_hashes[1:][sorted_hashes[1:] == sorted_hashes[:-1]]
-
-    def text(begin: int, end: int) -> str:
-        return "".join(map(chr, codes[begin:end].tolist()))
-
-    @functools.cache
-    def vocab() -> dict[str, int]:
-        """Tokens by spelling (a duplicate: its last copy), built only if shared hashes or a
-        collision need it."""
-        return {t: i for i, t in enumerate(tokens)}
-
-    def lookup(begin: np.ndarray, end: np.ndarray) -> np.ndarray:
-        """The token with the hash and length of codes[begin:end], for each pair, or -1; a
-        shared hash is resolved by the text."""
-        wanted = hashes(begin, end)
-        bucket = (wanted >> shift).astype(np.int64)
-        at, stop = first[bucket], first[bucket + 1]
-        ids = np.full(len(wanted), -1, dtype=np.int64)
-        probing = np.flatnonzero(at < stop)
-        while len(probing):
-            hit = sorted_hashes[at[probing]] == wanted[probing]
-            ids[probing[hit]] = by_hash[at[probing[hit]]]
-            at[probing] += 1
-            probing = probing[~hit & (at[probing] < stop[probing])]
-        ids[(ids >= 0) & (lengths[ids] != end - begin)] = -1  # another length: a collision
-        if len(shared):
-            for i in np.flatnonzero(np.isin(wanted, shared)).tolist():
-                ids[i] = vocab().get(text(begin[i], end[i]), -1)
-        return ids
-
-    # The last copy of a duplicate token is the one that splits.
-    splits = (np.fromiter((vocab()[t] == i for i, t in enumerate(tokens)), dtype=bool,
-                          count=count) if len(shared) else np.ones(count, dtype=bool))
-    # A few thousand tokens at a time: each step's arrays stay small, in memory the process
-    # has already touched, instead of a few hundred megabytes of fresh pages for all at once.
-    found = []
-    for chunk in range(0, max(count, 1), _TOKENS_PER_CHUNK):
-        ids = np.arange(chunk, min(count, chunk + _TOKENS_PER_CHUNK))
-        ids = ids[splits[ids] & (lengths[ids] > 1)]
-        # Every split point: a position inside a token (not its first character).
-        points = lengths[ids] - 1
-        owner = np.repeat(ids, points)
-        # The k-th split point of a token (k from 0) sits k + 1 characters past its start.
-        split = np.arange(len(owner)) + np.repeat(starts[ids] + 1 - (np.cumsum(points) - points),
-                                                  points)
-        left = lookup(starts[owner], split)
-        split, owner, left = split[left >= 0], owner[left >= 0], left[left >= 0]
-        right = lookup(split, starts[owner + 1])
-        split, owner, left, right = split[right >= 0], owner[right >= 0], left[right >= 0], \
-            right[right >= 0]
-        # Equal hashes and lengths, checked character by character: a piece whose hash
-        # collides with a token of another spelling (not seen in practice) is no merge.
-        equal = _spells(codes, starts[owner], split, starts[owner + 1], starts[left],
-                        starts[right])
-        found.append((split[equal], owner[equal], left[equal], right[equal]))
-    split, owner, left, right = (np.concatenate(parts) for parts in zip(*found))
-    score = np.asarray(scores, dtype=np.float64)[owner]
-    left_length = split - starts[owner]
-    right_length = starts[owner + 1] - split
-    # lexsort: the last key first; it is stable, so vocabulary order breaks the remaining ties.
-    order = np.lexsort((owner, -right_length, -left_length, -score))
-    spellings = np.array(tokens, dtype=object)
-    return list(zip(spellings[left[order]].tolist(), spellings[right[order]].tolist()))
-
-
-def _spells(codes: np.ndarray, begin: np.ndarray, split: np.ndarray, end: np.ndarray,
-            left: np.ndarray, right: np.ndarray) -> np.ndarray:
-    """Whether codes[begin[i]:end[i]] == codes[left[i]:left[i] + split[i] - begin[i]] +
-    codes[right[i]:right[i] + end[i] - split[i]] for each i, in one pass over the texts."""
-    lengths = end - begin
-    if not len(lengths):
-        return np.zeros(0, dtype=bool)
-    # Each character of the texts, and how far its copy in the pieces lies from it.
-    pieces = np.empty(2 * len(lengths), dtype=np.int64)
-    pieces[0::2], pieces[1::2] = split - begin, end - split
-    shifts = np.empty(2 * len(lengths), dtype=np.int64)
-    shifts[0::2], shifts[1::2] = left - begin, right - split
-    ends = np.cumsum(lengths)
-    at = np.repeat(begin - (ends - lengths), lengths)
-    at += np.arange(len(at))
-    copies = at + np.repeat(shifts, pieces)
-    differs = np.flatnonzero(codes[at] != codes[copies])
-    equal = np.ones(len(lengths), dtype=bool)
-    equal[np.searchsorted(ends, differs, side="right")] = False
-    return equal
+    left piece, then vocabulary order); a duplicated token splits as its last copy. Gemma 3's
+    262,144 tokens have about 1.2 million split points: the compiled core finds them."""
+    return _C.sentencepiece_merges(list(tokens), np.asarray(scores, dtype=np.float64).tolist())
