@@ -151,6 +151,9 @@ py::list sentencepiece_merges(const py::list& tokens, const std::vector<double>&
   }
   std::vector<orca::text::Merge> merges;
   try {
+    // Without the GIL: the views point into str objects the list holds, and a str never
+    // changes.
+    py::gil_scoped_release no_gil;
     merges = orca::text::sentencepiece_merges(views, scores);
   } catch (const std::invalid_argument& e) {
     throw py::value_error(e.what());

@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf_files import TYPES, gguf_tensors, llama_cpp_permute, make_model, write_gguf
+from gguf_files import TYPES, VOCAB, gguf_tensors, llama_cpp_permute, make_model, write_gguf
 from test_loader import forward_logits
 
 from orca_ext.model import load_model, load_model_info
 from orca_ext.model.gguf import GGUFFile
 from orca_ext.model.gguf_tokenizer import merges_from_scores
+from orca_ext.model import loader as loader_module
 from orca_ext.model.loader import open_checkpoint
 
 ARCHS = ["llama", "qwen2", "gpt2", "qwen3", "gemma3", "phi3"]
@@ -242,3 +243,12 @@ def test_unknown_architecture_and_tensor_type(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="iq.gguf.*'token_embd.weight' has type IQ4_NL"):
         GGUFFile(tmp_path / "iq.gguf")
+
+
+def test_more_tokens_than_embedding_rows_is_a_value_error(tmp_path, monkeypatch):
+    file = GGUFFile(_bad(tmp_path))
+    file.metadata["tokenizer.ggml.tokens"] = [*file.value("tokenizer.ggml.tokens"), "extra"]
+    monkeypatch.setattr(loader_module, "GGUFFile", lambda path: file)
+    with pytest.raises(ValueError, match=rf"bad.gguf: the tokenizer has {VOCAB + 1} tokens, "
+                                         rf"more than the model's vocab_size {VOCAB}"):
+        load_model(str(file.path))
