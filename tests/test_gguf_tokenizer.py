@@ -228,7 +228,8 @@ def test_array_reader_string_parts_are_the_strings_bytes(tmp_path):
     assert [bytes(mine.parts[i]) for i in mine.data] == \
         [bytes(theirs.parts[i]) for i in theirs.data] == \
         [b"", b"a", "日本".encode(), b"\n", b"x" * 1000]
-    assert [bytes(p) for p in mine.parts[mine.data[0]:]] == [bytes(mine.parts[i]) for i in mine.data]
+    assert [bytes(p) for p in mine.parts[mine.data[0]:]] == \
+        [bytes(mine.parts[i]) for i in mine.data]
     assert bytes(mine.parts[-1]) == b"x" * 1000
     assert mine.contents(slice(1, 3)) == theirs.contents(slice(1, 3)) == ["a", "日本"]
     assert mine.contents(-1) == "x" * 1000
@@ -243,7 +244,8 @@ def test_array_reader_refuses_a_string_count_past_the_end(tmp_path):
     assert int.from_bytes(data[at:at + 8], "little") == 5
     data[at:at + 8] = (1 << 40).to_bytes(8, "little")
     (tmp_path / "count.gguf").write_bytes(bytes(data))
-    with pytest.raises(ValueError, match="count.gguf: not a readable GGUF file .*runs past the end"):
+    with pytest.raises(ValueError,
+                       match="count.gguf: not a readable GGUF file .*runs past the end"):
         GGUFFile(tmp_path / "count.gguf")
 
 

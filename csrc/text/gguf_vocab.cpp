@@ -196,7 +196,8 @@ std::vector<Merge> sentencepiece_merges(const std::vector<std::string_view>& tok
     return a.owner < b.owner;
   });
   std::vector<Merge> merges(found.size());
-  std::transform(found.begin(), found.end(), merges.begin(), [](const Found& f) { return f.merge; });
+  std::transform(found.begin(), found.end(), merges.begin(),
+                 [](const Found& f) { return f.merge; });
   return merges;
 }
 
