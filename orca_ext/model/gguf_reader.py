@@ -19,8 +19,6 @@ from gguf import GGUFReader, GGUFValueType, ReaderField
 
 from .. import _C
 
-_STRING_ARRAY = [GGUFValueType.ARRAY, GGUFValueType.STRING]
-
 
 class _StringArrayParts(Sequence):
     """A string array field's ``parts``: the parts before its strings (key, type, item type,
