@@ -150,11 +150,11 @@ def load_hf_weights(model: nn.Module, weight_map: dict[str, HFWeight], checkpoin
             if our_name in skip:
                 continue
             param = params[our_name]
-            parts = [piece[:] for _, piece in checkpoint.parts(spec, tuple(param.shape))]
-            if spec.transpose:
-                parts = [part.t() for part in parts]
-            value = torch.cat(parts) if len(parts) > 1 else parts[0]
-            param.copy_(value.float() + spec.shift if spec.shift else value)
+            rows = 0  # each part straight into its rows (a fused weight's parts one after another)
+            for size, piece in checkpoint.parts(spec, tuple(param.shape)):
+                part = piece[:].t() if spec.transpose else piece[:]
+                param[rows:rows + size].copy_(part.float() + spec.shift if spec.shift else part)
+                rows += size
 
 
 def save_hf_weights(model: nn.Module, weight_map: dict[str, HFWeight], file: Path) -> None:
