@@ -15,9 +15,9 @@ from gguf_files import TYPES, VOCAB, gguf_tensors, llama_cpp_permute, make_model
 from test_loader import forward_logits
 
 from orca_ext.model import load_model, load_model_info
+from orca_ext.model import loader as loader_module
 from orca_ext.model.gguf import GGUFFile
 from orca_ext.model.gguf_tokenizer import merges_from_scores
-from orca_ext.model import loader as loader_module
 from orca_ext.model.loader import open_checkpoint
 
 ARCHS = ["llama", "qwen2", "gpt2", "qwen3", "gemma3", "phi3"]
