@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "hash.h"
+
 namespace orca::kv {
 
 namespace {
@@ -10,15 +12,6 @@ std::string id_str(int64_t request_id) { return "request " + std::to_string(requ
 // First block's parent when none is given, and a per-block seed ahead of extra_key.
 constexpr uint64_t kRootHash = 0x6a09e667f3bcc908ULL;
 constexpr uint64_t kBlockSeed = 0x9e3779b97f4a7c15ULL;
-
-// SplitMix64's finalizer: a bijection on 64 bits with full avalanche.
-uint64_t mix64(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 }  // namespace
 
 SlotAllocator::SlotAllocator(int64_t num_blocks, int64_t block_size)

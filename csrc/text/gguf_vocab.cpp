@@ -4,6 +4,8 @@
 #include <cstring>
 #include <string>
 
+#include "hash.h"
+
 namespace orca::text {
 
 std::vector<StringBounds> gguf_string_bounds(const uint8_t* data, int64_t size, int64_t offset,
@@ -32,7 +34,7 @@ std::vector<StringBounds> gguf_string_bounds(const uint8_t* data, int64_t size, 
 
 namespace {
 
-// 8 bytes at a time, then splitmix64's finalizer: every input bit reaches the low bits that
+// 8 bytes at a time through SplitMix64's finalizer: every input bit reaches the low bits that
 // pick a slot.
 uint64_t hash_bytes(std::string_view s) {
   const char* p = s.data();
@@ -41,14 +43,11 @@ uint64_t hash_bytes(std::string_view s) {
   for (; n >= 8; p += 8, n -= 8) {
     uint64_t v;
     std::memcpy(&v, p, 8);
-    h = (h ^ v) * 0x9E3779B97F4A7C15ull;
+    h = mix64(h ^ v);
   }
   uint64_t v = 0;
   std::memcpy(&v, p, n);
-  h ^= v;
-  h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9ull;
-  h = (h ^ (h >> 27)) * 0x94D049BB133111EBull;
-  return h ^ (h >> 31);
+  return mix64(h ^ v);
 }
 
 bool starts_character(char byte) { return (static_cast<unsigned char>(byte) & 0xC0) != 0x80; }

@@ -56,7 +56,8 @@ class GGUFArrayReader(GGUFReader):
             raw_type = self._get(offs, np.uint32)
             offs += int(raw_type.nbytes)
             head = [key_length, key, raw_type]
-            if raw_type[0] == GGUFValueType.ARRAY and self._item_type(offs) == GGUFValueType.STRING:
+            if raw_type[0] == GGUFValueType.ARRAY and \
+                    self._get(offs, np.uint32)[0] == GGUFValueType.STRING:
                 size, parts, indices, types = self._string_array(offs, head)
             else:
                 size, parts, indices, types = self._get_field_parts(offs, raw_type[0])
@@ -65,9 +66,6 @@ class GGUFArrayReader(GGUFReader):
                                          indices, types), skip_sum=True)
             offs += size
         return offs
-
-    def _item_type(self, offs: int) -> int:
-        return int(self._get(offs, np.uint32)[0])
 
     def _string_array(self, orig_offs: int, head: list[Any]
                       ) -> tuple[int, _StringArrayParts, range, list[GGUFValueType]]:

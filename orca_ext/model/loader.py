@@ -162,18 +162,17 @@ def resolve_model_path(name_or_path: str) -> str | Path:
     return path
 
 
-def load_model_info(name_or_path: str, tokenizer_in_background: bool = False) -> ModelInfo:
+def load_model_info(name_or_path: str, with_gguf_tokenizer: bool = True) -> ModelInfo:
     """Config, tokenizer, stop ids and chat template of a built-in name, a model folder or a GGUF
-    file, without reading any weights. ``tokenizer_in_background``: a GGUF file's tokenizer is
-    built on another thread (``Tokenizer``'s first use waits for it), for a load to read the
-    weights meanwhile."""
+    file, without reading any weights. ``with_gguf_tokenizer=False`` leaves a GGUF file's
+    tokenizer out (None), for a load that builds it beside the weights."""
     resolved = resolve_model_path(name_or_path)
     if isinstance(resolved, str):
         config = ModelConfig.from_hf(BUILTIN_MODELS[resolved])
         return ModelInfo(config, builtin_tokenizer(), list(config.eos_token_ids),
                          config.max_model_len)
     if resolved.suffix == ".gguf" or resolved.is_file():
-        return _gguf_info(GGUFFile(resolved), tokenizer_in_background)
+        return _gguf_info(GGUFFile(resolved), with_gguf_tokenizer)
     folder = resolved
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder {str(folder)!r} does not exist (built-in models: "
@@ -193,7 +192,7 @@ def load_model_info(name_or_path: str, tokenizer_in_background: bool = False) ->
     return ModelInfo(config, tokenizer, eos, config.max_model_len, _chat_template(folder), folder)
 
 
-def _gguf_info(file: GGUFFile, tokenizer_in_background: bool) -> ModelInfo:
+def _gguf_info(file: GGUFFile, with_tokenizer: bool) -> ModelInfo:
     try:
         config = ModelConfig.from_hf(hf_config(file))
     except ValueError as e:
@@ -202,14 +201,7 @@ def _gguf_info(file: GGUFFile, tokenizer_in_background: bool) -> ModelInfo:
     if tokens > config.vocab_size:
         raise ValueError(f"{file.path}: the tokenizer has {tokens} tokens, more than the "
                          f"model's vocab_size {config.vocab_size}")
-    if tokenizer_in_background:
-        # The build holds the GIL for long stretches (the tokenizers library's BPE), the weights'
-        # copies release it: the two overlap on a second core.
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gguf-tokenizer")
-        tokenizer = Tokenizer(pool.submit(lambda: gguf_tokenizer(file).inner))
-        pool.shutdown(wait=False)  # the thread ends with the build
-    else:
-        tokenizer = gguf_tokenizer(file)
+    tokenizer = gguf_tokenizer(file) if with_tokenizer else None
     # End-of-turn tokens (llama.cpp's eot / eom) stop generation as the end-of-sequence one does.
     eos = [int(file.value(f"tokenizer.ggml.{key}_token_id"))
            for key in ("eos", "eot", "eom") if file.value(f"tokenizer.ggml.{key}_token_id")
@@ -257,7 +249,14 @@ def _load_model(name_or_path: str, dtype: torch.dtype | str, device: torch.devic
     dtype = resolve_dtype(dtype, device, runs_quantized(name_or_path, quantization, device))
     if quantization is None and torch.device(device).type != "cpu":
         quantization = "none"
-    info = load_model_info(name_or_path, tokenizer_in_background=True)
+    info = load_model_info(name_or_path, with_gguf_tokenizer=False)
+    tokenizer_build = None
+    if info.gguf is not None:
+        # Built on a second thread: the tokenizers library's BPE build holds the GIL, the
+        # weights' copies release it, so the two overlap on a second core.
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gguf-tokenizer")
+        tokenizer_build = pool.submit(gguf_tokenizer, info.gguf)
+        pool.shutdown(wait=False)  # the thread ends with the build
     config = info.config
     family = model_family(config)
     weight_map = family.hf_weight_map(config)
@@ -279,8 +278,8 @@ def _load_model(name_or_path: str, dtype: torch.dtype | str, device: torch.devic
         load_quantized_weights(model, weight_map, checkpoint, plan)
         if info.gguf is not None:
             info.gguf.release_pages()
-    if info.tokenizer is not None:
-        info.tokenizer.inner  # noqa: B018  (waits for a tokenizer built beside the weights)
+    if tokenizer_build is not None:
+        info = dataclasses.replace(info, tokenizer=tokenizer_build.result())
     return LoadedModel(info, model)
 
 

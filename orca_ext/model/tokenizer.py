@@ -2,7 +2,6 @@
 byte-level tokenizer of the built-in model (token id == byte value), built in code."""
 from __future__ import annotations
 
-from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,18 +11,10 @@ if TYPE_CHECKING:  # the library is imported where used: the byte table loads wi
 
 class Tokenizer:
     """Text <-> token ids. ``inner`` is the ``tokenizers.Tokenizer`` (for incremental
-    detokenization or anything else it offers); given as a ``Future``, it is still being built
-    (a model load builds a large one beside the weights), and the first use waits for it and
-    raises what the build raised."""
+    detokenization or anything else it offers)."""
 
-    def __init__(self, inner: HFTokenizer | Future[HFTokenizer]) -> None:
-        self._inner = inner
-
-    @property
-    def inner(self) -> HFTokenizer:
-        if isinstance(self._inner, Future):
-            self._inner = self._inner.result()
-        return self._inner
+    def __init__(self, inner: HFTokenizer) -> None:
+        self.inner = inner
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
