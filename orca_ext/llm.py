@@ -12,6 +12,7 @@ from tqdm import tqdm
 from .build import build_engine
 from .chat import ChatTemplate
 from .config import EngineConfig
+from .engine import PromptError
 from .lora.request import LoRARequest
 from .model.builtin import DEFAULT_MODEL
 from .outputs import RequestOutput
@@ -20,7 +21,8 @@ from .sampling_params import SamplingParams
 if TYPE_CHECKING:
     from .model import LoadedModel
 
-Prompt = str | list[int]
+# Text, token ids, or vLLM's TextPrompt / TokensPrompt dicts of them.
+Prompt = str | list[int] | dict[str, Any]
 
 
 class LLM:
@@ -55,7 +57,8 @@ class LLM:
                  use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
-        """Generate for each prompt (text, or a list of token ids); outputs in input order.
+        """Generate for each prompt (text, a list of token ids, or vLLM's ``{"prompt": text}`` /
+        ``{"prompt_token_ids": ids}``); outputs in input order.
         ``lora_request``: one LoRA adapter for every prompt, or one (or None: the base) per
         prompt. ``max_tokens`` None generates up to the context; a prompt plus ``max_tokens``
         longer than the context is a ValueError naming both (``Engine.prepare``)."""
@@ -122,10 +125,23 @@ class LLM:
         return [done[request_id] for request_id in ids]
 
 
-def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt of token ids
-    return prompts
+    return [_unwrapped(prompt) for prompt in prompts]
+
+
+def _unwrapped(prompt: Prompt) -> str | list[int]:
+    """vLLM's ``TextPrompt`` (``{"prompt": text}``) as its text and ``TokensPrompt``
+    (``{"prompt_token_ids": ids}``) as its ids; other prompts as given."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if set(prompt) == {"prompt"}:
+        return prompt["prompt"]
+    if set(prompt) == {"prompt_token_ids"}:
+        return list(prompt["prompt_token_ids"])
+    raise PromptError("a prompt dict holds one key, 'prompt' (text) or 'prompt_token_ids' "
+                      f"(token ids), got keys {sorted(prompt)}", "prompt")

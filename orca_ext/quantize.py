@@ -6,7 +6,8 @@ super-blocks of 256 (the K-quants q4_K, q5_K, q6_K); and orca's own q8_m (blocks
 quants with an fp16 scale d and min m, w = q d + m), which holds every 32-weight format's blocks
 exactly. ``quantize_weight`` makes q8_0, q4_0 and q4_1 (the formats a model is quantized to at
 load); ``dequantize_weight`` reads them all; ``as_exact`` rewrites 32-weight blocks as the q8_0
-(from q4_0 / q5_0) or q8_m blocks of the same weights."""
+(from q4_0 / q5_0 / iq4_nl, which no kernel reads) or q8_m blocks of the same weights, and
+``iq4_xs_as_q8_0`` IQ4_XS super-blocks as q8_0 within float16's rounding of their scales."""
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -22,6 +23,11 @@ if TYPE_CHECKING:
 BLOCK_LAYOUTS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22),
                  "q5_1": (32, 24), "q8_m": (32, 36), "q4_K": (256, 144), "q5_K": (256, 176),
                  "q6_K": (256, 210)}
+# IQ4_NL (ggml's block_iq4_nl: an fp16 d, then 16 bytes of 4-bit indices into these values,
+# low nibbles first): no kernel reads it, but q8_0 holds its blocks exactly (as_exact).
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# The layouts of every format a weight's blocks are read in: the kernels', IQ4_NL and IQ4_XS.
+STORED_LAYOUTS = {**BLOCK_LAYOUTS, "iq4_nl": (32, 18), "iq4_xs": (256, 136)}
 # The formats GGUF files store (ggml's types; q8_m is orca's own).
 GGUF_FORMATS = tuple(f for f in BLOCK_LAYOUTS if f != "q8_m")
 # The formats quantize_weight makes.
@@ -31,7 +37,7 @@ QUANTIZATIONS = ("none", *QUANTIZE_FORMATS)
 # The formats whose blocks q8_0 holds exactly (w = (q - offset) d, the same d) and those q8_m
 # holds exactly (every 32-weight one), by the offset of their unsigned quants q (q8_0's int8
 # read as uint8 + 128; None where the block stores a min m: w = q d + m): as_exact rewrites them.
-EXACT_IN_Q8_0 = {"q8_0": 128, "q4_0": 8, "q5_0": 16}
+EXACT_IN_Q8_0 = {"q8_0": 128, "q4_0": 8, "q5_0": 16, "iq4_nl": 128}
 EXACT_IN_Q8_M = {**EXACT_IN_Q8_0, "q4_1": None, "q5_1": None, "q8_m": None}
 
 
@@ -50,12 +56,12 @@ def check_quantization(quantization: str | None,
 
 def block_weights(format: str) -> int:
     """The weights per block of ``format``: a row's length must be a multiple of it."""
-    return BLOCK_LAYOUTS[format][0]
+    return STORED_LAYOUTS[format][0]
 
 
 def row_bytes(format: str, in_features: int) -> int:
     """The bytes of one row of ``in_features`` weights in ``format``'s blocks."""
-    weights, nbytes = BLOCK_LAYOUTS[format]
+    weights, nbytes = STORED_LAYOUTS[format]
     return in_features // weights * nbytes
 
 
@@ -112,6 +118,8 @@ def _unsigned_quants(blocks: torch.Tensor, format: str) -> torch.Tensor:
                 else quants.to(torch.int16))
     nibbles = blocks[..., -16:]
     q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)  # weights 0-15, then 16-31
+    if format == "iq4_nl":
+        return torch.tensor(IQ4_NL_VALUES, dtype=torch.int16)[q.long()] + 128
     if format in ("q5_0", "q5_1"):
         bits = torch.arange(8, dtype=torch.uint8)
         qh = 2 if format == "q5_0" else 4
@@ -129,7 +137,7 @@ def as_exact(qweight: torch.Tensor, format: str, target: str) -> torch.Tensor:
     exact = EXACT_IN_Q8_0 if target == "q8_0" else EXACT_IN_Q8_M
     if target not in ("q8_0", "q8_m") or format not in exact:
         raise ValueError(f"{format} blocks are not held exactly by {target}")
-    blocks = qweight.reshape(qweight.shape[0], -1, BLOCK_LAYOUTS[format][1])
+    blocks = qweight.reshape(qweight.shape[0], -1, STORED_LAYOUTS[format][1])
     d = blocks[..., :2]
     q = _unsigned_quants(blocks, format)
     offset = exact[format]
@@ -144,3 +152,25 @@ def as_exact(qweight: torch.Tensor, format: str, target: str) -> torch.Tensor:
                              "have no q8_m form")
         parts = [d, m.view(torch.uint8), q.to(torch.uint8)]
     return torch.cat(parts, dim=-1).reshape(qweight.shape[0], -1)
+
+
+def iq4_xs_as_q8_0(qweight: torch.Tensor) -> torch.Tensor:
+    """q8_0 blocks (uint8 ``[N, K / 32 * 34]``) of the IQ4_XS super-blocks ``qweight`` (uint8
+    ``[N, K / 256 * 136]``; ggml's block_iq4_xs: an fp16 d, the 6-bit sub-block scales' high
+    2 bits (a u16) and low 4 bits (4 bytes), then 4-bit indices into IQ4_NL_VALUES as IQ4_NL
+    lays them out): each 32-weight sub-block's scale d (ls - 32) rounded to float16 once, its
+    grid values the quants. Every weight is then within float16's rounding of its scale, where
+    q8_0's rounding of the dequantized weights errs up to 1/254 of a block's largest."""
+    blocks = qweight.reshape(qweight.shape[0], -1, 136)
+    d = blocks[..., :2].contiguous().view(torch.float16).float()
+    high = blocks[..., 2:4].contiguous().view(torch.int16).int() & 0xFFFF
+    sub_block = torch.arange(8)
+    low = blocks[..., 4 + sub_block // 2].int() >> (4 * (sub_block % 2)) & 15
+    scale = (d * ((low | (high >> (2 * sub_block) & 3) << 4) - 32)).half()
+    if not torch.isfinite(scale).all():
+        raise ValueError("IQ4_XS blocks with scales beyond float16's range have no q8_0 form")
+    nibbles = blocks[..., 8:].reshape(*blocks.shape[:2], 8, 16)
+    quants = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).long()  # weights 0-15, then 16-31
+    values = torch.tensor(IQ4_NL_VALUES, dtype=torch.int8)[quants]
+    q8_0 = torch.cat([scale.unsqueeze(-1).view(torch.uint8), values.view(torch.uint8)], dim=-1)
+    return q8_0.reshape(qweight.shape[0], -1)

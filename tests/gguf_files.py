@@ -19,7 +19,11 @@ TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q
          Q.Q5_K, Q.Q6_K]
 # The offsets of the float16 scales (d, and dmin or m) in the blocks random_blocks writes.
 _SCALE_OFFSETS = {Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q2_K: (80, 82), Q.Q3_K: (108,),
-                  Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+                  Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ1_S: (0,),
+                  Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ2_S: (0,), Q.IQ3_XXS: (0,),
+                  Q.IQ3_S: (0,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,)}
+# The types gguf-py only dequantizes: the file holds random blocks of them.
+RANDOM_BLOCK_TYPES = tuple(t for t in _SCALE_OFFSETS if t not in (Q.Q5_0, Q.Q5_1))
 
 _COMMON = dict(vocab_size=VOCAB, max_position_embeddings=512, initializer_range=0.1,
                bos_token_id=1, eos_token_id=2)
@@ -118,9 +122,9 @@ def gguf_tensors(model: transformers.PreTrainedModel, arch: str) -> dict[str, np
 
 def random_blocks(kind: Q, rows: int, cols: int, rng: np.random.Generator,
                   scale: float = 0.01) -> np.ndarray:
-    """uint8 ``[rows, row bytes]``: valid blocks of ``kind`` (Q5_0, Q5_1 or a K-quant) with
-    random quant bytes (q6_K's int8 sub-block scales among them) and float16 scales in
-    ``[scale / 10, 1.1 scale)``."""
+    """uint8 ``[rows, row bytes]``: valid blocks of ``kind`` (Q5_0, Q5_1, a K-quant or an
+    i-quant but IQ1_M) with random quant bytes (q6_K's int8 sub-block scales, the i-quants' grid
+    indices and signs among them) and float16 scales in ``[scale / 10, 1.1 scale)``."""
     weights, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     shape = (rows, cols // weights)
     blocks = rng.integers(0, 256, size=(*shape, block_bytes), dtype=np.uint8)
@@ -131,10 +135,10 @@ def random_blocks(kind: Q, rows: int, cols: int, rng: np.random.Generator,
 
 
 def encode_tensor(values: np.ndarray, kind: Q, rng: np.random.Generator) -> np.ndarray:
-    """``values`` stored as ``kind``: quantized by gguf-py where it can; for the K-quants (which
-    it only dequantizes) random blocks with small float16 scales, so the file's own bytes are the
-    reference."""
-    if kind not in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K):
+    """``values`` stored as ``kind``: quantized by gguf-py where it can; for the K-quants and
+    the i-quants (which it only dequantizes) random blocks with small float16 scales, so the
+    file's own bytes are the reference."""
+    if kind not in RANDOM_BLOCK_TYPES:
         return gguf.quants.quantize(values, kind)
     return random_blocks(kind, *values.shape, rng)
 

@@ -233,16 +233,16 @@ def test_unknown_architecture_and_tensor_type(tmp_path):
     patched.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="type.gguf.*not a readable GGUF"):
         load_model(str(patched))
-    iq = gguf.GGMLQuantizationType.IQ4_NL
-    writer = gguf.GGUFWriter(str(tmp_path / "iq.gguf"), "llama")
-    writer.add_tensor("token_embd.weight", np.zeros((4, 18), np.uint8), raw_shape=(4, 18),
-                      raw_dtype=iq)
+    ternary = gguf.GGMLQuantizationType.TQ1_0  # BitNet's, which no supported family uses
+    writer = gguf.GGUFWriter(str(tmp_path / "tq.gguf"), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 54), np.uint8), raw_shape=(4, 54),
+                      raw_dtype=ternary)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="iq.gguf.*'token_embd.weight' has type IQ4_NL"):
-        GGUFFile(tmp_path / "iq.gguf")
+    with pytest.raises(ValueError, match="tq.gguf.*'token_embd.weight' has type TQ1_0"):
+        GGUFFile(tmp_path / "tq.gguf")
 
 
 def test_more_tokens_than_embedding_rows_is_a_value_error(tmp_path, monkeypatch):

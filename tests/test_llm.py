@@ -68,6 +68,13 @@ def test_generate_api(loaded, expected):
     ids = outputs[2].prompt_token_ids
     again = llm.generate(ids, GREEDY, use_tqdm=False)  # one prompt of token ids
     assert again[0].prompt is None and again[0].outputs[0].token_ids == expected[2]
+    # vLLM's TextPrompt and TokensPrompt dicts, one or a list.
+    typed = llm.generate([{"prompt": PROMPTS[1]}, {"prompt_token_ids": ids}], GREEDY,
+                         use_tqdm=False)
+    assert typed[0].prompt == PROMPTS[1] and typed[0].outputs[0].token_ids == expected[1]
+    assert typed[1].prompt is None and typed[1].outputs[0].token_ids == expected[2]
+    one = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    assert one[0].outputs[0].token_ids == expected[2]
     sampled = SamplingParams(n=2, max_tokens=3, seed=1, ignore_eos=True, logprobs=2)
     mixed = llm.generate(["x", "y"], [GREEDY, sampled], use_tqdm=False)
     assert mixed[0].outputs[0].token_ids == expected[4]
@@ -79,7 +86,11 @@ def test_bad_input_keeps_llm_usable(loaded, expected):
     for prompts, params, field in (([""], GREEDY, "prompt"),
                                    (["ok", "a" * 2000], GREEDY, "prompt"),
                                    (["ok"], SamplingParams(max_tokens=300), "max_tokens"),
-                                   (["ok", "ok"], [GREEDY], "sampling_params")):
+                                   (["ok", "ok"], [GREEDY], "sampling_params"),
+                                   ([{"prompt": "ok", "multi_modal_data": {}}], GREEDY,
+                                    r"one key, 'prompt' \(text\) or 'prompt_token_ids'"),
+                                   ([{"prompt_token_ids": ["a"]}], GREEDY,
+                                    "token ids must be integers")):
         with pytest.raises(ValueError, match=field):
             llm.generate(prompts, params, use_tqdm=False)
     assert not llm.engine.has_unfinished()

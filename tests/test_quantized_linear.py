@@ -16,8 +16,9 @@ from gguf import GGMLQuantizationType, quants
 import reference_ops as ref
 from gguf_files import random_blocks
 from orca_ext import _C, ops
-from orca_ext.quantize import (EXACT_IN_Q8_0, EXACT_IN_Q8_M, QUANTIZE_FORMATS, as_exact,
-                               block_weights, dequantize_weight, quantize_weight)
+from orca_ext.quantize import (EXACT_IN_Q8_0, EXACT_IN_Q8_M, IQ4_NL_VALUES, QUANTIZE_FORMATS,
+                               as_exact, block_weights, dequantize_weight, iq4_xs_as_q8_0,
+                               quantize_weight)
 
 FORMATS = list(QUANTIZE_FORMATS)
 # The formats run as stored from GGUF files, which gguf-py does not quantize (K-quants) or
@@ -454,6 +455,34 @@ def test_as_exact_holds_the_same_weights(fmt, target):
     assert exact.shape == (33, K // 32 * {"q8_0": 34, "q8_m": 36}[target])
     assert torch.equal(dequantize_weight(exact, target, K), w)
     assert torch.equal(ops.quantized_embedding(torch.arange(33), exact, target, K), w)
+
+
+def test_iq4_nl_as_exact():
+    """IQ4_NL blocks (random, gguf-py only dequantizes them) as q8_0 and q8_m: gguf-py's
+    dequantization of the source bit for bit."""
+    blocks = torch.from_numpy(random_blocks(GGMLQuantizationType.IQ4_NL, 7, 96,
+                                            np.random.default_rng(0)))
+    w = torch.from_numpy(quants.dequantize(blocks.numpy(), GGMLQuantizationType.IQ4_NL))
+    for target in ("q8_0", "q8_m"):
+        assert torch.equal(dequantize_weight(as_exact(blocks, "iq4_nl", target), target, 96), w)
+
+
+def test_iq4_xs_as_q8_0():
+    """IQ4_XS super-blocks as q8_0: each weight within float16's rounding (2^-11 relative) of
+    gguf-py's dequantization, each q8_0 quant the weight's grid value; a scale beyond float16's
+    range is refused."""
+    rng = np.random.default_rng(0)
+    blocks = random_blocks(GGMLQuantizationType.IQ4_XS, 5, 512, rng)
+    w = torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.IQ4_XS))
+    q8_0 = iq4_xs_as_q8_0(torch.from_numpy(blocks))
+    assert q8_0.shape == (5, 16 * 34)
+    got = dequantize_weight(q8_0, "q8_0", 512)
+    assert ((got - w).abs() <= w.abs() * 2.0 ** -11).all()
+    values = set(q8_0.reshape(5, 16, 34)[..., 2:].contiguous().view(torch.int8).unique().tolist())
+    assert values <= set(IQ4_NL_VALUES)
+    blocks[0, :2] = np.array([65000.0], dtype=np.float16).view(np.uint8)
+    with pytest.raises(ValueError, match="IQ4_XS blocks with scales beyond float16's range"):
+        iq4_xs_as_q8_0(torch.from_numpy(blocks))
 
 
 def test_as_exact_errors():

@@ -251,6 +251,80 @@ def test_mixed_32_weight_parts_load_exactly_as_q8_m(tmp_path, caplog):
         assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
 
 
+def test_iq4_nl_loads_exactly_as_q8_0(tmp_path, caplog):
+    """IQ4_NL tensors (llama.cpp's IQ4_XS files store them where a row is not a multiple of
+    256), alone or beside Q8_0, as q8_0 blocks of the very same weights, and beside Q4_1 as
+    q8_m, with one note naming them (no conversion note): bit for bit the weights gguf-py
+    dequantizes, and the fused stack's decode steps equal the per-op blocks bit for bit."""
+    types = native_types("llama")
+    for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+        types[f"blk.0.{part}.weight"] = Q.IQ4_NL
+    types["blk.1.attn_q.weight"] = types["blk.1.attn_k.weight"] = Q.IQ4_NL
+    types["blk.1.attn_v.weight"] = Q.Q8_0
+    types["blk.1.ffn_gate.weight"], types["blk.1.ffn_up.weight"] = Q.IQ4_NL, Q.Q4_1
+    path = write_gguf(make_model("llama"), "llama", tmp_path / "iq4_nl.gguf", types)
+    with caplog.at_level(logging.INFO, logger="orca_ext.model.quantized"):
+        native = load_model(str(path))
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "converted" in m]
+    notes = [m for m in messages if "held exactly in orca's formats" in m]
+    assert len(notes) == 1 and "6 weights" in notes[0]
+    assert "(IQ4_NL+Q8_0 as q8_0)" in notes[0] and "(IQ4_NL+Q4_1 as q8_m)" in notes[0]
+    dequantized = load_model(str(path), quantization="none")
+    floats = dict(dequantized.model.named_modules())
+    formats = {"layers.0.attn.qkv": "q8_0", "layers.0.attn.out": "q8_0",
+               "layers.0.mlp.up": "q8_0", "layers.0.mlp.down": "q8_0",
+               "layers.1.attn.qkv": "q8_0", "layers.1.mlp.up": "q8_m"}
+    for name, fmt in formats.items():
+        module = native.model.get_submodule(name)
+        assert module.format == fmt, name
+        assert torch.equal(_float_weight(module), floats[name].weight), name
+    (want, want_caches), (got, got_caches) = run_both(native, BATCHES["decode_4"])
+    assert torch.equal(got, want)
+    for (k_want, v_want), (k_got, v_got) in zip(want_caches, got_caches):
+        assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+
+
+# The i-quants gguf-py dequantizes from random blocks (IQ1_M's scale, spread over its sub-block
+# scales, is not written as one float16), one per layer of a gemma3 file, its embedding IQ4_XS.
+I_QUANT_LAYER_TYPES = [Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S]
+
+
+def test_i_quants_convert_to_q8_0(tmp_path, caplog):
+    """IQ1_S, IQ2_XXS / XS / S and IQ3_XXS / S tensors load as q8_0 (dequantized by gguf-py,
+    then quantized: q8_0's rounding of the file's values), IQ4_XS as q8_0 of its grid values
+    and float16 sub-block scales (within float16's rounding of gguf-py's values), with one note
+    naming them, and the model generates."""
+    types = {"token_embd.weight": Q.IQ4_XS}
+    for layer in range(make_model("gemma3").config.num_hidden_layers):
+        for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                     "ffn_down"):
+            types[f"blk.{layer}.{part}.weight"] = I_QUANT_LAYER_TYPES[layer]
+    path = write_gguf(make_model("gemma3"), "gemma3", tmp_path / "i_quants.gguf", types)
+    with caplog.at_level(logging.INFO, logger="orca_ext.model.quantized"):
+        native = load_model(str(path))
+    notes = [r.getMessage() for r in caplog.records if "converted to q8_0" in r.getMessage()]
+    assert len(notes) == 1 and "25 weights" in notes[0]
+    assert all(t.name in notes[0] for t in (*I_QUANT_LAYER_TYPES, Q.IQ4_XS))
+    dequantized = load_model(str(path), quantization="none")
+    floats = dict(dequantized.model.named_modules())
+    embedding = _embedding(native.model)
+    for name, module in native.model.named_modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            assert module.format == "q8_0", name
+            want, got = floats[name].weight, _float_weight(module)
+            if module.weight is embedding.weight:  # IQ4_XS, with the tied head
+                assert ((got - want).abs() <= want.abs() * 2.0 ** -11).all()
+                assert not torch.equal(got, want)  # float16 scales, not the file's
+            else:
+                assert torch.equal(got, dequantize_weight(quantize_weight(want, "q8_0"), "q8_0",
+                                                          want.shape[1])), name
+    llm = LLM(str(path))
+    out = llm.generate([TOKENS], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 def test_stored_formats_run_as_the_dequantized_model(stored_formats_model, isa):
     """On every ISA the logits are the dequantized model's to float32 summation order (on

@@ -3,11 +3,11 @@ that hold them, and filling them from a checkpoint.
 
 ``quantization`` (``EngineConfig``, ``load_model``): None runs a GGUF file in its stored formats
 (Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks as stored, a fused weight of
-32-weight parts in different formats rewritten exactly as q8_0 or q8_m; other quantized types,
-Q2_K and Q3_K, converted to q8_0 at load) and any other model unquantized; ``"none"``
-dequantizes everything; ``"q8_0"``, ``"q4_0"``, ``"q4_1"`` quantize every linear weight (and a
-tied embedding with the output head) at load. Quantized models run float32 activations by
-default, as llama.cpp does.
+32-weight parts in different formats and IQ4_NL rewritten exactly as q8_0 or q8_m; other
+quantized types, Q2_K, Q3_K and the other i-quants, converted to q8_0 at load) and any other
+model unquantized; ``"none"`` dequantizes everything; ``"q8_0"``, ``"q4_0"``, ``"q4_1"`` quantize
+every linear weight (and a tied embedding with the output head) at load. Quantized models run
+float32 activations by default, as llama.cpp does.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import ops
 from ..quantize import (EXACT_IN_Q8_0, EXACT_IN_Q8_M, GGUF_FORMATS, as_exact, block_weights,
-                        quantize_weight, row_bytes)
+                        iq4_xs_as_q8_0, quantize_weight, row_bytes)
 from .layers import Embedding, LayerNorm, Layer, Linear, RMSNorm
 from .weights import Checkpoint, HFWeight
 
@@ -29,8 +29,11 @@ _log = logging.getLogger(__name__)
 
 # GGUF tensor types the quantized kernels read as stored, by their format names.
 NATIVE_TYPES = {format.upper(): format for format in GGUF_FORMATS}
+# The types whose blocks are copied from the file (the native ones, and IQ4_NL, which as_exact
+# rewrites as the q8_0 blocks of the same weights), by their format names.
+COPIED_TYPES = {**NATIVE_TYPES, "IQ4_NL": "iq4_nl"}
 FLOAT_TYPES = ("F32", "F16", "BF16")
-# The format other quantized GGUF types (Q2_K, Q3_K) are converted to at load.
+# The format other quantized GGUF types (Q2_K, Q3_K, the i-quants) are converted to at load.
 CONVERTED_FORMAT = "q8_0"
 
 
@@ -138,14 +141,16 @@ def plan_quantization(model: nn.Module, weight_map: dict[str, HFWeight],
     With a format, every linear weight (a tied embedding with it) whose width is a multiple of
     32; with None, a GGUF checkpoint's quantized tensors (``checkpoint.raw``), native where the
     kernels read the stored type (NATIVE_TYPES; every part of a fused weight in the same one, or
-    the parts in Q8_0 and types q8_0 holds exactly, as llama.cpp's Q4_K_M files store a Q8_0 v
-    beside a Q5_0 q and k, or else in 32-weight types, all held exactly by q8_m, as its Q5_K_M
-    files store a Q8_0 v beside a Q5_1 q and k), else converted to q8_0 with one logged note."""
+    the parts in types q8_0 holds exactly, as llama.cpp's Q4_K_M files store a Q8_0 v beside a
+    Q5_0 q and k, and IQ4_NL, which no kernel reads (a logged note), or else in 32-weight types,
+    all held exactly by q8_m, as its Q5_K_M files store a Q8_0 v beside a Q5_1 q and k), else
+    converted to q8_0 with one logged note."""
     if quantization == "none" or (quantization is None and not hasattr(checkpoint, "raw")):
         return {}
     matrices, tied = _matrices(model), tied_names(model)
     plan: dict[str, QuantizedWeight] = {}
     converted: list[str] = []
+    rewritten: list[str] = []  # held exactly, but no kernel reads the stored type
     for name, module in matrices.items():
         if name not in weight_map:
             continue  # a tied head: planned with its embedding
@@ -161,16 +166,22 @@ def plan_quantization(model: nn.Module, weight_map: dict[str, HFWeight],
             continue
         if len(types) == 1 and types <= NATIVE_TYPES.keys():
             plan[name] = QuantizedWeight(NATIVE_TYPES[types.pop()], True)
-        elif "Q8_0" in types and {t.lower() for t in types} <= EXACT_IN_Q8_0.keys():
-            plan[name] = QuantizedWeight("q8_0", True)
-        elif {t.lower() for t in types} <= EXACT_IN_Q8_M.keys():
-            plan[name] = QuantizedWeight("q8_m", True)
+        elif (formats := {t.lower() for t in types}) <= EXACT_IN_Q8_M.keys():
+            exact = "q8_0" if formats <= EXACT_IN_Q8_0.keys() else "q8_m"
+            plan[name] = QuantizedWeight(exact, True)
+            if not types <= NATIVE_TYPES.keys():
+                rewritten.append(f"{name} ({'+'.join(sorted(types))} as {exact})")
         elif width % block_weights(CONVERTED_FORMAT) == 0:
             plan[name] = QuantizedWeight(CONVERTED_FORMAT, False)
             converted.append(f"{name} ({'+'.join(sorted(types))})")
+    if rewritten:
+        _log.info("%s: %d weights in types the kernels do not read held exactly in orca's "
+                  "formats (the same weights in larger blocks): %s", checkpoint.source,
+                  len(rewritten), ", ".join(rewritten))
     if converted:
         _log.info("%s: %d weights in types the kernels do not read as stored converted to %s at "
-                  "load (dequantized, then quantized): %s", checkpoint.source, len(converted),
+                  "load (IQ4_XS as its sub-blocks' grid values and float16 scales, the others "
+                  "dequantized, then quantized): %s", checkpoint.source, len(converted),
                   CONVERTED_FORMAT, ", ".join(converted))
     return plan
 
@@ -210,12 +221,13 @@ def load_quantized(out: torch.Tensor, checkpoint: Checkpoint, spec: HFWeight,
                    shape: tuple[int, int], how: QuantizedWeight) -> None:
     """Fill ``out``, the uint8 blocks of a weight of float ``shape`` ``[N, K]``: the stored rows
     (fused parts one after the other; a part stored in another format than ``how.format``
-    rewritten by ``as_exact``), or its float parts quantized."""
+    rewritten by ``as_exact``), or its parts converted: IQ4_XS blocks to q8_0 by
+    ``iq4_xs_as_q8_0``, others as their float values quantized (row by row, so part by part)."""
     parts = checkpoint.parts(spec, shape)
     if how.native:
         offset = 0
         for name, (rows, _) in zip(spec.names, parts):
-            stored = NATIVE_TYPES[checkpoint.raw(name).tensor_type.name]
+            stored = COPIED_TYPES[checkpoint.raw(name).tensor_type.name]
             if stored == how.format:
                 checkpoint.copy_raw_blocks(name, out[offset:offset + rows])
             else:
@@ -224,8 +236,17 @@ def load_quantized(out: torch.Tensor, checkpoint: Checkpoint, spec: HFWeight,
                 out[offset:offset + rows].copy_(as_exact(blocks, stored, how.format))
             offset += rows
         return
-    values = [piece[:].t() if spec.transpose else piece[:] for _, piece in parts]
-    out.copy_(quantize_weight(torch.cat(values) if len(values) > 1 else values[0], how.format))
+    offset = 0
+    for name, (rows, piece) in zip(spec.names, parts):
+        stored = checkpoint.raw(name).tensor_type.name if hasattr(checkpoint, "raw") else None
+        if how.format == "q8_0" and stored == "IQ4_XS":
+            blocks = torch.empty(rows, row_bytes("iq4_xs", shape[1]), dtype=torch.uint8)
+            checkpoint.copy_raw_blocks(name, blocks)
+            out[offset:offset + rows].copy_(iq4_xs_as_q8_0(blocks))
+        else:
+            values = piece[:].t() if spec.transpose else piece[:]
+            out[offset:offset + rows].copy_(quantize_weight(values, how.format))
+        offset += rows
 
 
 def logical_shape(module: Any) -> tuple[int, int]:
