@@ -220,6 +220,10 @@ def _unpermute_rotary(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
         .transpose(1, 2).reshape(shape)
 
 
+# The 16-bit float types, converted to float32 by torch (exactly, as gguf.quants does).
+_HALF_TYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
+
+
 @dataclass(frozen=True)
 class _Dequantized:
     """One GGUF tensor as the Hugging Face tensor it stands for, dequantized when indexed."""
@@ -238,11 +242,18 @@ class _Dequantized:
         from gguf.quants import dequantize
 
         tensor = self.file.tensors[self.gguf_name]
-        values = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type),
-                                      dtype=np.float32)
-        if not values.flags.writeable:  # F32 data comes as a read-only view of the file
-            values = values.copy()
-        values = torch.from_numpy(values)
+        half = _HALF_TYPES.get(tensor.tensor_type.name)
+        if half is not None:  # torch's conversion runs on every thread, numpy's on one
+            with warnings.catch_warnings():  # the file's read-only map is only read from
+                warnings.simplefilter("ignore", UserWarning)
+                halves = torch.from_numpy(tensor.data.view(np.int16)).view(half)
+            values = halves.float()
+        else:
+            values = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type),
+                                          dtype=np.float32)
+            if not values.flags.writeable:  # F32 data comes as a read-only view of the file
+                values = values.copy()
+            values = torch.from_numpy(values)
         values = values.reshape(tuple(int(n) for n in reversed(tensor.shape)))
         if self.rotary_heads is not None:
             values = _unpermute_rotary(values, self.rotary_heads)
