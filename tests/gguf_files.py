@@ -176,11 +176,13 @@ def sentencepiece_vocab() -> tuple[list[str], list[int], list[float]]:
 def write_gguf(model: transformers.PreTrainedModel, arch: str, path: Path,
                types: dict[str, Q] | Q = Q.F32, tokenizer: str | None = None,
                pre: str | None = None, skip: tuple[str, ...] = (),
-               reshape: dict[str, tuple[int, ...]] | None = None, seed: int = 0) -> Path:
+               reshape: dict[str, tuple[int, ...]] | None = None, seed: int = 0,
+               extra: dict[str, np.ndarray] | None = None) -> Path:
     """Write ``model`` as a GGUF: each tensor as ``types[name]`` (or one type for all; 1-D
     tensors stay F32), the tokenizer ``tokenizer`` ("gpt2" byte-level BPE with pre-tokenizer
     ``pre``, or "llama" SentencePiece; default by architecture), minus the tensors in ``skip``
-    and with the shapes in ``reshape`` changed (for the bad-file tests)."""
+    and with the shapes in ``reshape`` changed (for the bad-file tests), plus the float32
+    tensors ``extra``."""
     rng = np.random.default_rng(seed)
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -226,7 +228,7 @@ def write_gguf(model: transformers.PreTrainedModel, arch: str, path: Path,
         writer.add_unk_token_id(0)
     writer.add_token_list(tokens)
     writer.add_token_types(token_types)
-    for name, values in gguf_tensors(model, arch).items():
+    for name, values in {**gguf_tensors(model, arch), **(extra or {})}.items():
         if name in skip:
             continue
         if reshape and name in reshape:

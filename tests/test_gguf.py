@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf_files import TYPES, VOCAB, gguf_tensors, llama_cpp_permute, make_model, write_gguf
+from gguf_files import (SPECS, TYPES, VOCAB, gguf_tensors, llama_cpp_permute, make_model,
+                        write_gguf)
 from test_loader import forward_logits
 
 from orca_ext.model import load_model, load_model_info
@@ -243,6 +244,53 @@ def test_unknown_architecture_and_tensor_type(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="tq.gguf.*'token_embd.weight' has type TQ1_0"):
         GGUFFile(tmp_path / "tq.gguf")
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+def llama3_rope_freqs(head_dim: int) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's converter (convert_hf_to_gguf.py's LlamaModel) writes
+    it for LLAMA3_ROPE: each frequency's divisor."""
+    base, factor = LLAMA3_ROPE["rope_theta"], LLAMA3_ROPE["factor"]
+    low, high = LLAMA3_ROPE["low_freq_factor"], LLAMA3_ROPE["high_freq_factor"]
+    old = LLAMA3_ROPE["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_llama3_rope_freqs_equal_transformers(tmp_path):
+    """A Llama 3.1-style file (the llama3 rope scaling as llama.cpp's per-frequency divisors,
+    rope_freqs.weight, whose wavelengths here span all three of its regimes) gives the logits
+    of transformers' model with that scaling, 300 positions deep; a rope_freqs of the wrong
+    length is a ValueError naming it."""
+    config_cls, model_cls, kwargs = SPECS["llama"]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(
+        getattr(transformers, config_cls)(**kwargs, rope_parameters=LLAMA3_ROPE)).eval()
+    head_dim = model.config.head_dim
+    path = write_gguf(model, "llama", tmp_path / "llama3.gguf",
+                      extra={"rope_freqs.weight": llama3_rope_freqs(head_dim)})
+    tokens = torch.randint(3, VOCAB, (300,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(tokens[None]).logits[0]
+    got = forward_logits(load_model(str(path), quantization="none"), tokens.tolist())
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    write_gguf(model, "llama", tmp_path / "short.gguf",
+               extra={"rope_freqs.weight": llama3_rope_freqs(head_dim)[:-1]})
+    with pytest.raises(ValueError, match=r"short.gguf: rope_freqs.weight must hold 32 positive"):
+        load_model(str(tmp_path / "short.gguf"))
 
 
 def test_more_tokens_than_embedding_rows_is_a_value_error(tmp_path, monkeypatch):

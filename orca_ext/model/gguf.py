@@ -155,9 +155,6 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
                 "activation_function": "gelu_new"}
     head_dim = int(file.arch_value("attention.key_length", hidden // heads))
     rope_dim = int(file.arch_value("rope.dimension_count", head_dim))
-    if "rope_freqs.weight" in file.tensors:
-        raise ValueError(f"{file.path}: per-frequency rope factors (rope_freqs.weight, Llama "
-                         "3.1 rope scaling) are not supported")
     config = {**common, "model_type": file.architecture, "hidden_size": hidden,
               "num_hidden_layers": int(file.require("block_count")),
               "num_attention_heads": heads,
@@ -176,6 +173,12 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
         config["rope_scaling"] = _phi3_longrope(file)
         return config
     scaling = file.arch_value("rope.scaling.type", "none")
+    if "rope_freqs.weight" in file.tensors:
+        if scaling not in ("none", "llama3"):
+            raise ValueError(f"{file.path}: rope_freqs.weight beside rope scaling {scaling!r} "
+                             "is not supported")
+        config["rope_scaling"] = _rope_freqs(file, rope_dim)
+        return config
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear",
                                   "factor": float(file.require("rope.scaling.factor"))}
@@ -195,6 +198,21 @@ def _gemma3_config(file: GGUFFile, head_dim: int) -> dict[str, Any]:
             "query_pre_attn_scalar": head_dim,
             "final_logit_softcapping": file.arch_value("final_logit_softcapping"),
             "attn_logit_softcapping": file.arch_value("attn_logit_softcapping")}
+
+
+def _rope_freqs(file: GGUFFile, rope_dim: int) -> dict[str, Any]:
+    """Llama 3.1's rope scaling as llama.cpp's converter stores it: rope_freqs.weight, each
+    frequency's divisor (1 for the high ones, the factor for the low ones, interpolated
+    between), which LongRoPE's per-frequency factors apply as llama.cpp does, its cos and sin
+    unscaled."""
+    values = _Dequantized(file, "rope_freqs.weight", False, None)[:].reshape(-1)
+    if values.numel() != rope_dim // 2 or not bool(((values > 0) & values.isfinite()).all()):
+        raise ValueError(f"{file.path}: rope_freqs.weight must hold {rope_dim // 2} positive "
+                         f"factors (rotary dims / 2), got {values.tolist()[:8]} "
+                         f"({values.numel()} values)")
+    factors = values.tolist()
+    return {"rope_type": "longrope", "long_factor": factors, "short_factor": factors,
+            "attention_factor": 1.0}
 
 
 def _phi3_longrope(file: GGUFFile) -> dict[str, Any]:

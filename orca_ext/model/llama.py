@@ -9,8 +9,9 @@ from .config import ModelConfig
 from .decoder import BlockSpec, DecoderSpec, LayerSpec, RopeSpec
 from .weights import HFWeight
 
-# Rotary tables that old checkpoints saved as weights.
-IGNORED_HF_WEIGHTS = re.compile(r"\.rotary_emb\.inv_freq$")
+# Rotary tables that old checkpoints saved as weights, and a GGUF's rope_freqs (read into the
+# config's rope scaling).
+IGNORED_HF_WEIGHTS = re.compile(r"\.rotary_emb\.inv_freq$|^rope_freqs\.weight$")
 
 
 def decoder_spec(config: ModelConfig) -> DecoderSpec:
