@@ -139,11 +139,35 @@ def test_sentencepiece_merges_follow_the_scores():
     assert merges == [("a", "b"), ("b", "c"), ("ab", "c"), ("a", "bc")]
 
 
-@pytest.mark.parametrize("pre", ["smollm", "llama-bpe", "qwen2", "gpt-2"])
+@pytest.mark.parametrize("pre", ["smollm", "llama-bpe", "qwen2", "gpt-2", "gpt-4o", "tekken"])
 def test_named_pre_tokenizers_load(pre, tmp_path):
     file = write_gguf(make_model("qwen2"), "qwen2", tmp_path / "m.gguf", pre=pre)
     tokenizer = load_model_info(str(file)).tokenizer
     assert tokenizer.decode(tokenizer.encode(TEXT), skip_special_tokens=False) == TEXT
+
+
+# Pieces of one text as each pre-tokenizer's regex (llama.cpp's, from the models'
+# tokenizer.json) splits it: o200k (Phi-4-mini) splits "HelloWorld" at the case change, keeps a
+# contraction on its word, digits in threes and a "/" after a newline on the punctuation;
+# tekken (Mistral Nemo) the same but contractions apart and one digit at a time; Llama 3's for
+# contrast.
+SPLIT_TEXT = "HelloWorld it's 12345 ABCdef\nend.\n/next"
+SPLITS = {
+    "gpt-4o": ["Hello", "World", " it's", " ", "123", "45", " ABCdef", "\n", "end", ".\n/",
+               "next"],
+    "tekken": ["Hello", "World", " it", "'s", " ", "1", "2", "3", "4", "5", " ABCdef", "\n",
+               "end", ".\n/", "next"],
+    "llama-bpe": ["HelloWorld", " it", "'s", " ", "123", "45", " ABCdef", "\n", "end", ".\n",
+                  "/next"],
+}
+
+
+@pytest.mark.parametrize("pre", list(SPLITS))
+def test_pre_tokenizer_splits(pre, tmp_path):
+    file = write_gguf(make_model("qwen2"), "qwen2", tmp_path / "m.gguf", pre=pre)
+    inner = load_model_info(str(file)).tokenizer.inner
+    pieces = inner.pre_tokenizer.pre_tokenize_str(SPLIT_TEXT)
+    assert [SPLIT_TEXT[start:end] for _, (start, end) in pieces] == SPLITS[pre]
 
 
 def test_folder_with_one_gguf_loads_it(files, tmp_path):

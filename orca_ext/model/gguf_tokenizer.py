@@ -26,6 +26,16 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# GPT-4o's o200k split (Phi-4-mini) and Mistral's tekken (Mistral Nemo): a letter run ends where
+# a lowercase run follows capitals ("HelloWorld": "Hello", "World"); o200k keeps contractions on
+# the word and digits in threes, tekken has no contractions and splits every digit.
+_UPPER_THEN_LOWER = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+_UPPER_RUN = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_O200K_REST = r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_GPT4O_SPLIT = (f"{_UPPER_THEN_LOWER}{_CONTRACTION}|{_UPPER_RUN}{_CONTRACTION}"
+                rf"|\p{{N}}{{1,3}}{_O200K_REST}")
+_TEKKEN_SPLIT = rf"{_UPPER_THEN_LOWER}|{_UPPER_RUN}|\p{{N}}{_O200K_REST}"
 PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     "default": (_GPT2_SPLIT,), "gpt2": (_GPT2_SPLIT,), "gpt-2": (_GPT2_SPLIT,),
     "smollm": (r"\p{N}", _GPT2_SPLIT), "starcoder": (r"\p{N}", _GPT2_SPLIT),
@@ -33,6 +43,7 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     "llama3": (_LLAMA3_SPLIT,), "llama-v3": (_LLAMA3_SPLIT,), "llama-bpe": (_LLAMA3_SPLIT,),
     "smaug-bpe": (_LLAMA3_SPLIT,), "dbrx": (_LLAMA3_SPLIT,), "falcon3": (_LLAMA3_SPLIT,),
     "qwen2": (_QWEN2_SPLIT,), "deepseek-r1-qwen": (_QWEN2_SPLIT,),
+    "gpt-4o": (_GPT4O_SPLIT,), "tekken": (_TEKKEN_SPLIT,),
 }
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
