@@ -169,8 +169,8 @@ def iq4_xs_as_q8_0(qweight: torch.Tensor) -> torch.Tensor:
     scale = (d * ((low | (high >> (2 * sub_block) & 3) << 4) - 32)).half()
     if not torch.isfinite(scale).all():
         raise ValueError("IQ4_XS blocks with scales beyond float16's range have no q8_0 form")
-    nibbles = blocks[..., 8:].reshape(*blocks.shape[:2], 8, 16)
-    quants = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).long()  # weights 0-15, then 16-31
-    values = torch.tensor(IQ4_NL_VALUES, dtype=torch.int8)[quants]
-    q8_0 = torch.cat([scale.unsqueeze(-1).view(torch.uint8), values.view(torch.uint8)], dim=-1)
+    # Each sub-block's 16 bytes are laid out as an IQ4_NL block's quants.
+    unsigned = _unsigned_quants(blocks[..., 8:].reshape(*blocks.shape[:2], 8, 16), "iq4_nl")
+    values = (unsigned - 128).to(torch.int8).view(torch.uint8)
+    q8_0 = torch.cat([scale.unsqueeze(-1).view(torch.uint8), values], dim=-1)
     return q8_0.reshape(qweight.shape[0], -1)

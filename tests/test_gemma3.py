@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_decoder_stack import run_both
+from test_decoder_stack import assert_fused_equals_per_op
 from test_model import check_packed_logits
 
 from orca_ext import LLM, SamplingParams
@@ -104,10 +104,7 @@ def test_stored_formats_fused_stack_is_bit_exact(stored):
     (two rotary tables, windows per layer, QK and post norms, quantized linears) gives the
     per-op blocks' hidden states and KV caches bit for bit."""
     assert unsupported_reason(stored.model) is None
-    (want, want_caches), (got, got_caches) = run_both(stored, [(700, 1), (3, 1), (530, 1)])
-    assert torch.equal(got, want)
-    for (k_want, v_want), (k_got, v_got) in zip(want_caches, got_caches):
-        assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+    assert_fused_equals_per_op(stored, [(700, 1), (3, 1), (530, 1)])
 
 
 def test_stored_formats_answer_as_the_float_weights_begin(stored, hf_continuations):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf_files import make_model, random_blocks, write_gguf
-from test_decoder_stack import BATCHES, run_both
+from test_decoder_stack import BATCHES, assert_fused_equals_per_op, run_both
 from test_loader import forward_logits
 from tiny_models import make_hf_model, save_hf_model
 
@@ -245,10 +245,7 @@ def test_mixed_32_weight_parts_load_exactly_as_q8_m(tmp_path, caplog):
     rounded = _C.get_isa("quant") in ("avx512_vnni", "amx_int8")  # as in the test above
     torch.testing.assert_close(forward_logits(native, TOKENS), want, rtol=0 if rounded else 1e-4,
                                atol=(1e-3 * float(want.abs().max())) if rounded else 1e-4)
-    (want, want_caches), (got, got_caches) = run_both(native, BATCHES["decode_4"])
-    assert torch.equal(got, want)
-    for (k_want, v_want), (k_got, v_got) in zip(want_caches, got_caches):
-        assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+    assert_fused_equals_per_op(native, BATCHES["decode_4"])
 
 
 def test_iq4_nl_loads_exactly_as_q8_0(tmp_path, caplog):
@@ -279,10 +276,7 @@ def test_iq4_nl_loads_exactly_as_q8_0(tmp_path, caplog):
         module = native.model.get_submodule(name)
         assert module.format == fmt, name
         assert torch.equal(_float_weight(module), floats[name].weight), name
-    (want, want_caches), (got, got_caches) = run_both(native, BATCHES["decode_4"])
-    assert torch.equal(got, want)
-    for (k_want, v_want), (k_got, v_got) in zip(want_caches, got_caches):
-        assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+    assert_fused_equals_per_op(native, BATCHES["decode_4"])
 
 
 # The i-quants gguf-py dequantizes from random blocks (IQ1_M's scale, spread over its sub-block
@@ -340,10 +334,7 @@ def test_stored_formats_run_as_the_dequantized_model(stored_formats_model, isa):
     assert unsupported_reason(native.model) is None
     assert build_decoder_stack(native.model).max_tokens() == 8
     for batch in ("decode_4", "mixed_8"):
-        (want, want_caches), (got, got_caches) = run_both(native, BATCHES[batch])
-        assert torch.equal(got, want)
-        for (k_want, v_want), (k_got, v_got) in zip(want_caches, got_caches):
-            assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+        assert_fused_equals_per_op(native, BATCHES[batch])
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
@@ -398,10 +389,7 @@ def test_decoder_stack_on_quantized_blocks_is_bit_exact(native_and_float, batch,
         pytest.skip("more than 8 tokens a step run the stack on amx_int8 only")
     native, _ = native_and_float
     assert unsupported_reason(native.model) is None
-    (want, want_caches), (got, got_caches) = run_both(native, {**BATCHES, **WIDE_BATCHES}[batch])
-    assert torch.equal(got, want)
-    for (k_want, v_want), (k_got, v_got) in zip(want_caches, got_caches):
-        assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+    assert_fused_equals_per_op(native, {**BATCHES, **WIDE_BATCHES}[batch])
 
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
