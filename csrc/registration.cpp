@@ -16,6 +16,9 @@ TORCH_LIBRARY(orca, m) {
         "bool int8_activations=True) -> Tensor");
   m.def("quantized_embedding(Tensor ids, Tensor qweight, str format, int embedding_dim) -> "
         "Tensor");
+  // A quantized weight's rows to and from the x16 layout (orca/cpu/quant_rows16.h).
+  m.def("interleave_rows16(Tensor qweight, str format, int in_features) -> Tensor");
+  m.def("deinterleave_rows16(Tensor qweight, str format, int in_features) -> Tensor");
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()");
   // One step's checked metadata and attention work items (CPU), for every layer's

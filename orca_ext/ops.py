@@ -156,6 +156,8 @@ def _apply_token_bitmask_fake(logits, bitmask, indices=None):
 # The block formats quantized_linear and quantized_embedding read: GGUF's, by ggml's type names,
 # and orca's q8_m (orca_ext.quantize).
 QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q8_m", "q4_K", "q5_K", "q6_K")
+# A format's name with this suffix names its blocks in the x16 layout (``interleave_rows16``).
+ROWS16_SUFFIX = "_x16"
 
 
 def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, format: str, in_features: int,
@@ -168,17 +170,20 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, format: str, in_fea
     is uint8 ``[N, in_features / block_weights * block_bytes]``, each row the blocks llama.cpp
     stores for ``format`` (per 32 weights ``q8_0``: 34 bytes, ``q4_0``: 18, ``q4_1``: 20,
     ``q5_0``: 22, ``q5_1``: 24, orca's ``q8_m``: 36; per 256 weights, in_features a multiple of
-    256, ``q4_K``: 144, ``q5_K``: 176, ``q6_K``: 210; see ``orca_ext.quantize``).
-    ``x [T, in_features]`` is float32 or bfloat16 and the output is in its dtype; bias,
-    activation, residual and norm as in ``packed_linear`` (CPU only).
+    256, ``q4_K``: 144, ``q5_K``: 176, ``q6_K``: 210; see ``orca_ext.quantize``), or its rows in the
+    x16 layout (``interleave_rows16``; format ``"q5_0_x16"`` etc.). ``x [T, in_features]`` is
+    float32 or bfloat16 and the output is in its dtype; bias, activation, residual and norm as in
+    ``packed_linear`` (CPU only).
 
     The kernels' ISA is the best this CPU runs (``orca_ext._C.quant_isas()`` lists them);
     ``ORCA_QUANT_ISA=portable|avx2|avx512|avx512_vnni|amx_int8`` at load, or
-    ``orca_ext._C.set_isa("quant", name)``, forces one. ``avx512_vnni`` and ``amx_int8`` split
-    the activations of up to 2 tokens into two int8 parts per block of 32 (llama.cpp's one int8
-    rounding plus its remainder: within ``max |x| / 65024`` of the block, finer than bfloat16),
-    except ``q8_0`` on ``avx512_vnni`` and with ``int8_activations=False`` (the models' output
-    heads, whose near-tied logits any rounding may flip). Whatever ``int8_activations`` says,
+    ``orca_ext._C.set_isa("quant", name)``, forces one. ``avx512_vnni`` and ``amx_int8`` split the
+    activations of up to 2 tokens into two int8 parts per block of 32 (llama.cpp's one int8 rounding
+    plus its remainder: within ``max |x| / 65024`` of the block, finer than bfloat16), except
+    ``q8_0`` on ``avx512_vnni`` and with ``int8_activations=False`` (the models' output heads, whose
+    near-tied logits any rounding may flip); on the x16 layout they do so for up to 24 tokens (every
+    format, ``q8_0`` too). The other kernels read x16 rows de-interleaved into scratch, a step the
+    decode-sized calls avoid. Whatever ``int8_activations`` says,
     ``avx512_vnni`` rounds more than 8 float32 tokens to int16 per block of 32 (within
     ``max |x| / 65534``) for its int16 GEMM, and
     from 3 tokens ``amx_int8`` (the default where the CPU has AMX) multiplies ``q8_0``, ``q4_0``
@@ -197,6 +202,31 @@ def _quantized_linear_fake(x, qweight, format, in_features, bias=None, activatio
                            norm_eps=1e-5, int8_activations=True):
     n = qweight.shape[0] // 2 if activation in GATED_ACTIVATIONS else qweight.shape[0]
     return x.new_empty((x.shape[0], n))
+
+
+def interleave_rows16(qweight: torch.Tensor, format: str, in_features: int) -> torch.Tensor:
+    """The blocks ``qweight`` (uint8 ``[N, row bytes]`` of ``format``, one of QUANT_FORMATS, N a
+    multiple of 16) in the x16 layout, which ``quantized_linear`` reads as format ``format +
+    ROWS16_SUFFIX``: the same bytes, each group of 16 rows' blocks interleaved field by field so
+    that its kernels of 1 to 24 tokens on ``avx512_vnni`` / ``amx_int8`` run one output row per
+    vector lane (csrc/include/orca/cpu/quant_rows16.h lays it out). A gated weight's gate and up
+    halves must each have a multiple of 16 rows. CPU only."""
+    return torch.ops.orca.interleave_rows16(qweight, format, in_features)
+
+
+def deinterleave_rows16(qweight: torch.Tensor, format: str, in_features: int) -> torch.Tensor:
+    """``interleave_rows16``'s inverse: the x16 blocks ``qweight`` in the file's row layout."""
+    return torch.ops.orca.deinterleave_rows16(qweight, format, in_features)
+
+
+@torch.library.register_fake("orca::interleave_rows16")
+def _interleave_rows16_fake(qweight, format, in_features):
+    return torch.empty_like(qweight)
+
+
+@torch.library.register_fake("orca::deinterleave_rows16")
+def _deinterleave_rows16_fake(qweight, format, in_features):
+    return torch.empty_like(qweight)
 
 
 def quantized_embedding(ids: torch.Tensor, qweight: torch.Tensor, format: str,

@@ -89,12 +89,19 @@ def quantize_weight(weight: torch.Tensor, format: str) -> torch.Tensor:
 
 def dequantize_weight(qweight: torch.Tensor, format: str, in_features: int) -> torch.Tensor:
     """float32 ``[N, in_features]``: the weights the blocks ``qweight`` (from ``quantize_weight``
-    or a GGUF file) hold, through ``gguf.quants.dequantize`` (q8_m: q d + m in float32, the
-    product exact and the sum rounded once, as gguf computes q4_1's)."""
+    or a GGUF file, or in the x16 layout: ``ops.interleave_rows16``) hold, through
+    ``gguf.quants.dequantize`` (q8_m: q d + m in float32, the product exact and the sum rounded
+    once, as gguf computes q4_1's)."""
     from gguf import quants
 
+    from .ops import ROWS16_SUFFIX, deinterleave_rows16
+
+    if (base := format.removesuffix(ROWS16_SUFFIX)) != format and base in BLOCK_LAYOUTS:
+        return dequantize_weight(deinterleave_rows16(qweight, base, in_features), base,
+                                 in_features)
     if format not in BLOCK_LAYOUTS:
-        raise ValueError(f"format must be one of {list(BLOCK_LAYOUTS)}, got {format!r}")
+        raise ValueError(f"format must be one of {list(BLOCK_LAYOUTS)} (or one of them with "
+                         f"{ROWS16_SUFFIX!r}), got {format!r}")
     expected = row_bytes(format, in_features)
     if (qweight.dim() != 2 or in_features % block_weights(format)
             or qweight.shape[1] != expected):

@@ -16,9 +16,9 @@ from gguf import GGMLQuantizationType, quants
 import reference_ops as ref
 from gguf_files import random_blocks
 from orca_ext import _C, ops
-from orca_ext.quantize import (EXACT_IN_Q8_0, EXACT_IN_Q8_M, IQ4_NL_VALUES, QUANTIZE_FORMATS,
-                               as_exact, block_weights, dequantize_weight, iq4_xs_as_q8_0,
-                               quantize_weight)
+from orca_ext.quantize import (BLOCK_LAYOUTS, EXACT_IN_Q8_0, EXACT_IN_Q8_M, IQ4_NL_VALUES,
+                               QUANTIZE_FORMATS, as_exact, block_weights, dequantize_weight,
+                               iq4_xs_as_q8_0, quantize_weight)
 
 FORMATS = list(QUANTIZE_FORMATS)
 # The formats run as stored from GGUF files, which gguf-py does not quantize (K-quants) or
@@ -228,6 +228,35 @@ EPILOGUES = [("none", True, False, "none"), ("gelu_tanh", True, False, "none"),
              ("gelu_tanh_and_mul", False, False, "rms_norm")]
 
 
+def epilogue_inputs(T: int, K: int, N: int, dtype: torch.dtype, activation: str,
+                    with_bias: bool, with_residual: bool, norm: str):
+    """x [T, K], the bias, the residual and the norm's arguments of one EPILOGUES case."""
+    gen = torch.Generator().manual_seed(T * 7 + N)
+    x = torch.randn(T, K, generator=gen).to(dtype)
+    b = torch.randn(N, generator=gen).to(dtype) if with_bias else None
+    n_out = N // 2 if activation in ops.GATED_ACTIVATIONS else N
+    r = torch.randn(T, n_out, generator=gen).to(dtype) if with_residual else None
+    gamma = (1 + torch.randn(K, generator=gen) / 4).to(dtype)
+    beta = torch.randn(K, generator=gen).to(dtype) if norm == "layer_norm" else None
+    kind = "layer_norm" if norm.startswith("layer_norm") else norm
+    return x, b, r, (() if norm == "none" else (kind, gamma, beta, 1e-5))
+
+
+def epilogue_reference(x, w, b, activation, r, norm_args, rounded) -> torch.Tensor:
+    """The op's output in float64: the rows normalized (the op's own normalized rows, then
+    ``rounded``, where the path rounds them; else the reference norms), the weights w, then the
+    epilogue."""
+    if rounded:
+        rows = rounded(x.double() if not norm_args else normed_rows(x, *norm_args).double())
+    elif not norm_args:
+        rows = x
+    else:
+        kind, gamma, beta, eps = norm_args
+        rows = (ref.rms_norm(x, gamma, eps) if kind == "rms_norm"
+                else ref.layer_norm(x, gamma, beta, eps))
+    return ref.packed_linear(rows, w, b, activation, r)
+
+
 @pytest.mark.parametrize("fmt", FORMATS + STORED_FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", [1, 5, 9, 17, 25, 64])
@@ -237,23 +266,11 @@ def test_quantized_linear_epilogue(isa, fmt, dtype, T, activation, with_bias, wi
     # N even, so that the gated acts have their gate and up halves.
     K, N = (96, 66) if block_weights(fmt) == 32 else (256, 66)
     q, w = quantized(fmt, K, N)
-    gen = torch.Generator().manual_seed(T * 7 + N)
-    x = torch.randn(T, K, generator=gen).to(dtype)
-    b = torch.randn(N, generator=gen).to(dtype) if with_bias else None
-    n_out = N // 2 if activation in ops.GATED_ACTIVATIONS else N
-    r = torch.randn(T, n_out, generator=gen).to(dtype) if with_residual else None
-    gamma = (1 + torch.randn(K, generator=gen) / 4).to(dtype)
-    beta = torch.randn(K, generator=gen).to(dtype) if norm == "layer_norm" else None
-    kind = "layer_norm" if norm.startswith("layer_norm") else norm
-    norm_args = () if norm == "none" else (kind, gamma, beta, 1e-5)
+    x, b, r, norm_args = epilogue_inputs(T, K, N, dtype, activation, with_bias, with_residual,
+                                         norm)
     out = ops.quantized_linear(x, q, fmt, K, b, activation, r, *norm_args)
-    if rounding(isa, T, dtype, fmt):  # the op's own normalized rows, rounded
-        rows = kernel_rows(x.double() if norm == "none" else normed_rows(x, *norm_args).double(),
-                           isa, dtype, fmt)
-    else:
-        rows = (x if norm == "none" else ref.rms_norm(x, gamma, 1e-5) if kind == "rms_norm"
-                else ref.layer_norm(x, gamma, beta, 1e-5))
-    assert_close(out, ref.packed_linear(rows, w, b, activation, r), dtype)
+    expected = epilogue_reference(x, w, b, activation, r, norm_args, rounding(isa, T, dtype, fmt))
+    assert_close(out, expected, dtype)
 
 
 def test_default_isa_is_the_best_this_cpu_runs(force_isa):
@@ -347,7 +364,8 @@ def test_opcheck():
 
 ERROR_CASES = [
     (dict(format="q2_K"), "format must be one of 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', "
-                          "'q8_m', 'q4_K', 'q5_K', 'q6_K', got 'q2_K'"),
+                          "'q8_m', 'q4_K', 'q5_K', 'q6_K', or one of them with '_x16' "
+                          r"\(the x16 layout\), got 'q2_K'"),
     (dict(format="q8_m"), "qweight has 34 bytes per row but in_features = 32 in q8_m blocks "
                           "takes 36"),
     (dict(x=torch.randn(4, 40), in_features=40),
@@ -414,6 +432,134 @@ def test_forced_isa_errors():
                                          "got 'gemm'"):
         _C.set_isa("gemm", "portable")
     assert _C.get_isa("quant") == before  # a refused choice changes nothing
+
+
+# --------------------------------------------------------------------------- the x16 layout
+ROWS16_INT8_MAX_T = 24  # up to this many tokens the x16 layout's int8 kernels take them
+# Each format's block fields (first byte, bytes) in the x16 layout's order, as
+# csrc/include/orca/cpu/quant_rows16.h describes them (q6_K's d and scales first).
+ROWS16_FIELDS = {"q8_0": [(0, 2), (2, 32)], "q4_0": [(0, 2), (2, 16)],
+                 "q4_1": [(0, 2), (2, 2), (4, 16)], "q5_0": [(0, 2), (2, 4), (6, 16)],
+                 "q5_1": [(0, 2), (2, 2), (4, 4), (8, 16)], "q8_m": [(0, 2), (2, 2), (4, 32)],
+                 "q4_K": [(0, 2), (2, 2), (4, 12), (16, 128)],
+                 "q5_K": [(0, 2), (2, 2), (4, 12), (16, 32), (48, 128)],
+                 "q6_K": [(208, 2), (192, 16), (128, 64), (0, 128)]}
+
+
+def rearranged_high_bits(field: torch.Tensor) -> torch.Tensor:
+    """q5's qh bytes ``[..., 4]`` as the x16 layout holds them: bit 8i + v from bit 4v + i of the
+    little-endian qh, bit 8i + 4 + v from bit 16 + 4v + i (i, v < 4)."""
+    qh = sum(field[..., i].long() << (8 * i) for i in range(4))
+    source = [4 * v + i if v < 4 else 16 + 4 * (v - 4) + i for i in range(4) for v in range(8)]
+    moved = sum(((qh >> old) & 1) << new for new, old in enumerate(source))
+    return torch.stack([(moved >> (8 * i)) & 255 for i in range(4)], -1).to(torch.uint8)
+
+
+def rows16_reference(q: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The x16 layout of the blocks ``q [N, row bytes]``, built in torch from its description:
+    per group of 16 rows and block, each field for the 16 rows: a 2-byte field's 16 values; a
+    longer one as vectors of bytes 4v to 4v + 3 of each row (q5's qh rearranged)."""
+    block = BLOCK_LAYOUTS[fmt][1]
+    rows, blocks = q.shape[0], q.shape[1] // block
+    b = q.reshape(rows // 16, 16, blocks, block).transpose(1, 2)  # [group, block, row, byte]
+    parts = []
+    for at, size in ROWS16_FIELDS[fmt]:
+        field = b[..., at:at + size]
+        if fmt in ("q5_0", "q5_1") and size == 4:
+            field = rearranged_high_bits(field)
+        if size > 2:  # [.., row, vector, 4] -> [.., vector, row, 4]
+            field = field.reshape(*field.shape[:3], -1, 4).transpose(2, 3)
+        parts.append(field.reshape(*b.shape[:2], -1))
+    return torch.cat(parts, -1).reshape(rows, -1)
+
+
+ROWS16_SHAPES = {32: [(32, 16), (96, 48), (288, 64)], 256: [(256, 16), (768, 48)]}
+
+
+@pytest.mark.parametrize("fmt", FORMATS + STORED_FORMATS)
+@pytest.mark.parametrize("shape", [0, 1])
+def test_rows16_layout(fmt, shape):
+    """interleave_rows16 lays the blocks out as described, bit for bit, and
+    deinterleave_rows16 gives them back; dequantize_weight reads either."""
+    K, N = ROWS16_SHAPES[block_weights(fmt)][shape]
+    q, w = quantized(fmt, K, N)
+    grouped = ops.interleave_rows16(q, fmt, K)
+    assert torch.equal(grouped, rows16_reference(q, fmt))
+    assert torch.equal(ops.deinterleave_rows16(grouped, fmt, K), q)
+    assert torch.equal(dequantize_weight(grouped, fmt + ops.ROWS16_SUFFIX, K), w)
+
+
+@pytest.mark.parametrize("fmt", FORMATS + STORED_FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 2, 5, 9, 24, 25, 600])
+@pytest.mark.parametrize("activation,with_bias,with_residual,norm", EPILOGUES)
+def test_quantized_linear_rows16(isa, fmt, dtype, T, activation, with_bias, with_residual,
+                                 norm):
+    """The x16 layout against gguf's weights and a float64 matmul on every ISA and epilogue:
+    its int8 kernels (1-24 tokens, in passes of 8, on avx512_vnni and amx_int8), and the other
+    kernels on its rows de-interleaved, which give the row layout's results bit for bit."""
+    K, N = (96 if block_weights(fmt) == 32 else 512), 96  # gated: halves of 48 rows
+    q, w = quantized(fmt, K, N)
+    x, b, r, norm_args = epilogue_inputs(T, K, N, dtype, activation, with_bias, with_residual,
+                                         norm)
+    out = ops.quantized_linear(x, ops.interleave_rows16(q, fmt, K), fmt + ops.ROWS16_SUFFIX, K,
+                               b, activation, r, *norm_args)
+    # The x16 int8 kernels split up to ROWS16_INT8_MAX_T tokens into two int8 parts; otherwise
+    # the row layout's kernels run on the rows de-interleaved.
+    int8_kernels = isa in ("avx512_vnni", "amx_int8") and T <= ROWS16_INT8_MAX_T
+    rounded = (functools.partial(int8x2_rounded, lo_steps=256) if int8_kernels
+               else rounding(isa, T, dtype, fmt))
+    assert_close(out, epilogue_reference(x, w, b, activation, r, norm_args, rounded), dtype)
+    if not int8_kernels:
+        row_layout = ops.quantized_linear(x, q, fmt, K, b, activation, r, *norm_args)
+        assert torch.equal(out, row_layout)
+
+
+def test_rows16_opcheck():
+    q, _ = quantized("q5_0", 96, 48)
+    grouped = ops.interleave_rows16(q, "q5_0", 96)
+    torch.library.opcheck(torch.ops.orca.interleave_rows16.default, (q, "q5_0", 96))
+    torch.library.opcheck(torch.ops.orca.deinterleave_rows16.default, (grouped, "q5_0", 96))
+    for T in (1, 30):
+        torch.library.opcheck(torch.ops.orca.quantized_linear.default,
+                              (torch.randn(T, 96), grouped, "q5_0_x16", 96, None))
+
+
+ROWS16_ERROR_CASES = [
+    (dict(qweight=torch.zeros(40, 34, dtype=torch.uint8)),
+     r"qweight in the x16 layout \('q8_0_x16'\) must have a multiple of 16 rows, got 40"),
+    (dict(activation="silu_and_mul", qweight=torch.zeros(48, 34, dtype=torch.uint8)),
+     "must have a multiple of 16 rows in each of its gate and up halves, got 48"),
+    (dict(format="q2_K_x16"), "format must be one of 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', "
+                              "'q8_m', 'q4_K', 'q5_K', 'q6_K', or one of them with '_x16' "
+                              r"\(the x16 layout\), got 'q2_K_x16'"),
+    (dict(format="q8_0_x8"), "format must be one of .* got 'q8_0_x8'"),
+]
+
+
+@pytest.mark.parametrize("override,message", ROWS16_ERROR_CASES)
+def test_rows16_errors(override, message):
+    args = dict(x=torch.randn(4, 32), qweight=torch.zeros(32, 34, dtype=torch.uint8),
+                format="q8_0_x16", in_features=32)
+    args.update(override)
+    with pytest.raises(RuntimeError, match=message):
+        ops.quantized_linear(**args)
+
+
+@pytest.mark.parametrize("args,message", [
+    ((torch.zeros(32, 210, dtype=torch.uint8), "q6_K", 288),
+     r"in_features must be a non-negative multiple of 256 \(the block size of q6_K\), got 288"),
+    ((torch.zeros(32, 34, dtype=torch.uint8), "q2_K", 32), "format must be one of"),
+    ((torch.zeros(40, 34, dtype=torch.uint8), "q8_0", 32),
+     "qweight must have a multiple of 16 rows for the x16 layout, got 40"),
+    ((torch.zeros(32, 35, dtype=torch.uint8), "q8_0", 32),
+     "qweight has 35 bytes per row but in_features = 32 in q8_0 blocks takes 34"),
+    ((torch.zeros(32, 34, dtype=torch.uint8), "q8_0_x16", 32), "format must be one of"),
+])
+def test_interleave_rows16_errors(args, message):
+    for op in (ops.interleave_rows16, ops.deinterleave_rows16):
+        with pytest.raises(RuntimeError, match=message):
+            op(*args)
 
 
 # ---------------------------------------------------------------------------- orca_ext.quantize

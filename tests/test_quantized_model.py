@@ -20,7 +20,8 @@ from orca_ext import LLM, SamplingParams, _C, ops
 from orca_ext.config import EngineConfig
 from orca_ext.model import load_model
 from orca_ext.model.layers import Linear
-from orca_ext.model.quantized import QuantizedEmbedding, QuantizedLinear
+from orca_ext.model import quantized as quantized_module
+from orca_ext.model.quantized import QuantizedEmbedding, QuantizedLinear, rows16_formats
 from orca_ext.quantize import dequantize_weight, quantize_weight
 from orca_ext.runner.decoder_stack import build_decoder_stack, unsupported_reason
 
@@ -63,6 +64,12 @@ def isa(request, force_isa) -> str:
     return request.param
 
 
+def stored_format(module) -> str:
+    """A quantized layer's block format, whichever layout its rows are in (the loader puts
+    decoder linears in the x16 layout on CPUs whose kernels read it)."""
+    return module.format.removesuffix(ops.ROWS16_SUFFIX)
+
+
 def _float_weight(module) -> torch.Tensor:
     return dequantize_weight(module.weight, module.format,
                              module.in_features if isinstance(module, QuantizedLinear)
@@ -78,7 +85,7 @@ def test_stored_blocks_are_the_files_weights(native_and_float):
     kinds = set()
     for name, module in native.model.named_modules():
         if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
-            kinds.add((type(module).__name__, module.format))
+            kinds.add((type(module).__name__, stored_format(module)))
             assert torch.equal(_float_weight(module), floats[name].weight), name
         assert not isinstance(module, Linear), f"{name} was left unquantized"
     assert ("QuantizedEmbedding", "q8_0") in kinds
@@ -152,12 +159,12 @@ def test_mixed_and_unread_types_convert_to_q8_0(tmp_path, caplog):
     floats = dict(dequantized.model.named_modules())
     for name in ("layers.0.attn.qkv", "layers.1.mlp.down", "layers.1.mlp.up"):
         module = native.model.get_submodule(name)
-        assert module.format == "q8_0"
+        assert stored_format(module) == "q8_0"
         want = floats[name].weight
         assert torch.equal(_float_weight(module),
                            dequantize_weight(quantize_weight(want, "q8_0"), "q8_0",
                                              want.shape[1]))
-    assert native.model.layers[1].attn.qkv.format == "q4_0"
+    assert stored_format(native.model.layers[1].attn.qkv) == "q4_0"
 
 
 # The formats run as stored beyond Q8_0 / Q4_0 / Q4_1, one per layer of a gemma3 file (six
@@ -193,7 +200,7 @@ def test_stored_formats_load_as_stored(stored_formats_file, stored_formats_model
     formats = set()
     for name, module in native.model.named_modules():
         if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
-            formats.add(module.format)
+            formats.add(stored_format(module))
             assert torch.equal(_float_weight(module), floats[name].weight), name
     assert formats == {"q5_0", "q5_1", "q4_K", "q5_K", "q6_K"}
     assert native.model.lm_head.weight is _embedding(native.model).weight
@@ -213,7 +220,7 @@ def test_q5_0_and_q4_0_parts_beside_q8_0_load_exactly_as_q8_0(tmp_path, caplog):
     dequantized = load_model(str(path), quantization="none")
     for layer in range(2):
         qkv = native.model.layers[layer].attn.qkv
-        assert qkv.format == "q8_0"
+        assert stored_format(qkv) == "q8_0"
         assert torch.equal(_float_weight(qkv), dequantized.model.layers[layer].attn.qkv.weight)
     want = forward_logits(dequantized, TOKENS)
     # avx512_vnni and amx_int8 round the 12 tokens' activations (int16 blocks, two int8 parts).
@@ -239,7 +246,7 @@ def test_mixed_32_weight_parts_load_exactly_as_q8_m(tmp_path, caplog):
     for fused, float_layer in ((native.model.layers[0].attn.qkv,
                                 dequantized.model.layers[0].attn.qkv),
                                (native.model.layers[1].mlp.up, dequantized.model.layers[1].mlp.up)):
-        assert fused.format == "q8_m"
+        assert stored_format(fused) == "q8_m"
         assert torch.equal(_float_weight(fused), float_layer.weight)
     want = forward_logits(dequantized, TOKENS)
     rounded = _C.get_isa("quant") in ("avx512_vnni", "amx_int8")  # as in the test above
@@ -274,7 +281,7 @@ def test_iq4_nl_loads_exactly_as_q8_0(tmp_path, caplog):
                "layers.1.attn.qkv": "q8_0", "layers.1.mlp.up": "q8_m"}
     for name, fmt in formats.items():
         module = native.model.get_submodule(name)
-        assert module.format == fmt, name
+        assert stored_format(module) == fmt, name
         assert torch.equal(_float_weight(module), floats[name].weight), name
     assert_fused_equals_per_op(native, BATCHES["decode_4"])
 
@@ -305,7 +312,7 @@ def test_i_quants_convert_to_q8_0(tmp_path, caplog):
     embedding = _embedding(native.model)
     for name, module in native.model.named_modules():
         if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
-            assert module.format == "q8_0", name
+            assert stored_format(module) == "q8_0", name
             want, got = floats[name].weight, _float_weight(module)
             if module.weight is embedding.weight:  # IQ4_XS, with the tied head
                 assert ((got - want).abs() <= want.abs() * 2.0 ** -11).all()
@@ -353,7 +360,7 @@ def test_quantization_of_a_safetensors_model(name, fmt, tmp_path):
     for module_name, module in reference.model.named_modules():
         if isinstance(module, Linear):
             ours = quantized.model.get_submodule(module_name)
-            assert isinstance(ours, QuantizedLinear) and ours.format == fmt
+            assert isinstance(ours, QuantizedLinear) and stored_format(ours) == fmt
             module.weight.copy_(_float_weight(ours))
             linears += 1
     assert linears == 4 * reference.config.num_layers + 1
@@ -567,3 +574,49 @@ def test_float_activations_on_request(force_isa, isa):
             torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
         torch.library.opcheck(op, (x, q, "q4_1", 96, None, "none", None, "none", None, None,
                                    1e-5, False))
+
+
+def test_rows16_formats_per_isa():
+    """The x16 layout where the kernels read it directly: every format on avx512_vnni; on
+    amx_int8 those its tile kernels (q8_0, q4_0, q4_1) do not take."""
+    assert rows16_formats("avx512_vnni") == ops.QUANT_FORMATS
+    assert rows16_formats("amx_int8") == ("q5_0", "q5_1", "q8_m", "q4_K", "q5_K", "q6_K")
+    for isa in ("portable", "avx2", "avx512"):
+        assert rows16_formats(isa) == ()
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512_vnni"])
+def test_loader_interleaves_decoder_linears_for_the_cpus_kernels(stored_formats_file, isa,
+                                                                 force_isa):
+    """Loaded under avx512_vnni, the decoder blocks' linears are in the x16 layout (the same
+    weights) and the embedding and the head keep the file's rows; under avx2 nothing is
+    interleaved."""
+    if isa not in _C.quant_isas():
+        pytest.skip(f"this CPU does not run the {isa} path")
+    force_isa("quant", isa)
+    model = load_model(str(stored_formats_file)).model
+    rows16 = rows16_formats(isa)
+    seen = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            continue
+        in_layers = name.startswith("layers.")
+        want = in_layers and stored_format(module) in rows16
+        assert module.format.endswith(ops.ROWS16_SUFFIX) == want, name
+        seen.add(module.format)
+    assert any(f.endswith(ops.ROWS16_SUFFIX) for f in seen) == bool(rows16)
+
+
+@pytest.mark.parametrize("batch", ["decode_4", "mixed_8"])
+def test_rows16_layout_runs_the_model(gguf_file, batch, monkeypatch):
+    """With the decoder linears in the x16 layout on any CPU (the loader's choice widened to
+    every format), the model's logits stay within the int8 activations' rounding of the
+    dequantized model's, and the fused stack equals the per-op blocks bit for bit."""
+    monkeypatch.setattr(quantized_module, "rows16_formats", lambda isa: ops.QUANT_FORMATS)
+    native = load_model(str(gguf_file))
+    formats = [m.format for m in native.model.layers.modules() if isinstance(m, QuantizedLinear)]
+    assert formats and all(f.endswith(ops.ROWS16_SUFFIX) for f in formats)
+    want = forward_logits(load_model(str(gguf_file), quantization="none"), TOKENS)
+    torch.testing.assert_close(forward_logits(native, TOKENS), want, rtol=0,
+                               atol=1e-3 * float(want.abs().max()))
+    assert_fused_equals_per_op(native, BATCHES[batch])

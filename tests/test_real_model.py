@@ -10,6 +10,7 @@ import transformers
 from mixed_text import mixed_text
 from server_helpers import ServerProcess
 from test_model import check_packed_logits
+from test_quantized_model import stored_format
 
 from orca_ext import LLM, SamplingParams
 from orca_ext.model import load_model, load_model_info
@@ -53,7 +54,7 @@ def test_stored_formats_stay_quantized(native):
     538 MB dequantized to float32."""
     model = native.model
     assert model.embed.format == "q8_0" and model.lm_head.weight is model.embed.weight
-    assert {lin.format for b in model.layers
+    assert {stored_format(lin) for b in model.layers
             for lin in (b.attn.qkv, b.attn.out, b.mlp.up, b.mlp.down)} == {"q4_1"}
     weights = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
     assert weights <= 120e6

@@ -153,9 +153,9 @@ void linear_share(const StackShape& s, Activation act, const LinearStep<scalar_t
   if (step.linear.format) {
     // As quantized_linear: the rows as float32, split into int8 parts for the int8 kernels.
     for (int64_t i = 0; i < T * K; ++i) floats[i] = static_cast<float>(step.rows[i]);
-    const cpu::quant::Format format = *step.linear.format;
+    const QuantLayout format = *step.linear.format;
     const Int8Path path = int8_path(s.isa, format, T, true);
-    quantize_for(path, format, floats, T, K, int8);
+    quantize_for(path, format.format, floats, T, K, int8);
     float y[2][kQuantStackMaxT * kSkinnyBlock];
     dispatch_activation(act, [&]<Activation a>() {
       quant_dot_blocks<scalar_t, a>(s.isa, format, floats, path, int8, T, K,
@@ -511,7 +511,7 @@ int64_t DecoderStack::max_tokens() const {
   // amx_int8's tile kernels (q8_0, q4_0, q4_1) gain on the per-op path's panels up to
   // kQuantStackMaxT tokens; the float dot kernels, 8 tokens a pass, do not beyond kSkinnyMaxT.
   const auto tiled = [](const Linear& linear) {
-    return linear.format && cpu::quant::has_tile_kernels(*linear.format);
+    return linear.format && cpu::quant::has_tile_kernels(linear.format->format);
   };
   const bool quantized =
       !layers_.empty() && std::all_of(layers_.begin(), layers_.end(), [&](const Layer& l) {
@@ -581,7 +581,7 @@ void DecoderStack::add_layer(const c10::Dict<std::string, at::Tensor>& weights,
         out.format = check_quantized_linear_inputs(input, out.weight, formats.at(name),
                                                    in_features, out.bias, activation, residual,
                                                    in_norm, norm_weight, norm_bias, norm_eps_)
-                         .format;
+                         .layout;
       } else {
         check_linear_inputs(input, out.weight, out.bias, activation, residual, in_norm,
                             norm_weight, norm_bias, norm_eps_);

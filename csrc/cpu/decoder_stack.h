@@ -16,17 +16,18 @@
 #include <vector>
 
 #include "checks.h"
-#include "orca/cpu/quant_formats.h"
+#include "quant_blocks.h"
 
 namespace orca {
 
 class DecoderStack : public torch::CustomClassHolder {
  public:
-  // One linear: a float weight [N, K] or GGUF blocks of `format` (uint8 [N, row_bytes]).
+  // One linear: a float weight [N, K] or GGUF blocks of `format` (uint8 [N, row_bytes], in
+  // the row or the x16 layout).
   struct Linear {
     at::Tensor weight;
     std::optional<at::Tensor> bias;
-    std::optional<cpu::quant::Format> format;
+    std::optional<QuantLayout> format;
   };
 
   // One block's tensors, contiguous.

@@ -7,10 +7,12 @@
 
 #include <algorithm>
 #include <optional>
+#include <vector>
 
 #include "checks.h"
 #include "isa_choice.h"
 #include "orca/cpu/quant_linear.h"
+#include "orca/cpu/quant_rows16.h"
 #include "skinny_blocks.h"
 
 namespace orca {
@@ -18,10 +20,14 @@ namespace orca {
 // The most tokens kAvx512Vnni's int8 kernels take: beyond two, the per-token block scaling
 // costs more than the integer dot products save (bench/quantized_linear.py).
 constexpr int64_t kInt8MaxT = 2;
+// The most tokens they take on the x16 layout, whose scaling is per 16 rows, in passes of
+// kMaxDotTokens: up to where quantized_linear's int16 GEMM (on rows de-interleaved) overtakes.
+constexpr int64_t kRows16Int8MaxT = 24;
 
 // How a call's activations reach the dot kernels: as float32; split into two int8 parts per
-// block for the VNNI kernels (kAvx512Vnni and kAmxInt8, up to kInt8MaxT tokens, where the call
-// allows int8 rounding; within max |x| / 65024 of each block); or split so in the tiles' layout
+// block for the VNNI kernels (kAvx512Vnni and kAmxInt8, up to kInt8MaxT tokens, kRows16Int8MaxT
+// on the x16 layout, where the call allows int8 rounding; within max |x| / 65024 of each
+// block); or split so in the tiles' layout
 // for kAmxInt8's tile kernels (more tokens; within max |x| / 64516 of each block, finer than
 // bfloat16, so taken whether or not the call allows int8 rounding).
 enum class Int8Path { kNone, kVnni, kAmx };
@@ -30,8 +36,26 @@ enum class Int8Path { kNone, kVnni, kAmx };
 // type names) or 'q8_m' (orca's); a RuntimeError naming `what` otherwise.
 cpu::quant::Format parse_quant_format(c10::string_view name, const char* what = "format");
 
-struct QuantArgs {
+// A weight's blocks: their format, and whether its rows are in the x16 layout
+// (orca/cpu/quant_rows16.h), named by the format's name with kRows16Suffix.
+struct QuantLayout {
   cpu::quant::Format format;
+  bool rows16;
+};
+constexpr const char* kRows16Suffix = "_x16";
+
+// parse_quant_format, or a format with the x16 layout ('q5_0_x16'); a RuntimeError naming
+// `what` otherwise.
+QuantLayout parse_quant_layout(c10::string_view name, const char* what = "format");
+
+// qweight's rows checked as GGUF blocks of fmt (named `format`) holding K weights each (K
+// named k_name): K a non-negative multiple of the format's block, and qweight's bytes per row
+// those K take; a RuntimeError naming the bad one.
+void check_block_rows(const at::Tensor& qweight, cpu::quant::Format fmt,
+                      c10::string_view format, int64_t K, const char* k_name);
+
+struct QuantArgs {
+  QuantLayout layout;
   Activation act;
   InputNorm norm;
 };
@@ -49,18 +73,28 @@ QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& q
 
 // The path of T tokens of the format on the ISA (allow_int8: whether the call allows int8
 // rounding). amx_int8 runs the formats without tile kernels beyond kInt8MaxT tokens on
-// AVX-512's float kernels; avx512_vnni runs q8_0's 1-2 token steps on them: its int8 kernel is
-// compute-bound below the float kernel's memory rate on weights streamed from DRAM.
-inline Int8Path int8_path(cpu::quant::Isa isa, cpu::quant::Format fmt, int64_t T,
-                          bool allow_int8) {
+// AVX-512's float kernels; avx512_vnni runs q8_0's 1-2 token steps on them in the row layout:
+// its int8 kernel there is compute-bound below the float kernel's memory rate on weights
+// streamed from DRAM (the x16 layout's is not).
+inline Int8Path int8_path(cpu::quant::Isa isa, QuantLayout layout, int64_t T, bool allow_int8) {
   using cpu::quant::Isa;
-  if (T <= kInt8MaxT) {
-    const bool vnni = (isa == Isa::kAvx512Vnni && fmt != cpu::quant::Format::kQ8_0) ||
-                      isa == Isa::kAmxInt8;
+  if (T <= (layout.rows16 ? kRows16Int8MaxT : kInt8MaxT)) {
+    const bool q8_0_rows = layout.format == cpu::quant::Format::kQ8_0 && !layout.rows16;
+    const bool vnni = (isa == Isa::kAvx512Vnni && !q8_0_rows) || isa == Isa::kAmxInt8;
     return vnni && allow_int8 ? Int8Path::kVnni : Int8Path::kNone;
   }
-  return isa == Isa::kAmxInt8 && cpu::quant::has_tile_kernels(fmt) ? Int8Path::kAmx
-                                                                   : Int8Path::kNone;
+  return isa == Isa::kAmxInt8 && cpu::quant::has_tile_kernels(layout.format) ? Int8Path::kAmx
+                                                                             : Int8Path::kNone;
+}
+
+// Rows [0, rows) of w in the file's row layout: w itself, or w's x16 rows (rows a multiple of
+// kRowGroup) de-interleaved into scratch, for the kernels without an x16 form.
+inline const uint8_t* file_rows(QuantLayout layout, const uint8_t* w, int64_t K, int64_t rows,
+                                std::vector<uint8_t>& scratch) {
+  if (!layout.rows16) return w;
+  scratch.resize(rows * cpu::quant::row_bytes(layout.format, K));
+  cpu::quant::convert_rows16<false>(layout.format, w, K, rows, scratch.data());
+  return scratch.data();
 }
 
 // The bytes of x_int8 for T tokens of K values on the path.
@@ -80,23 +114,36 @@ inline void quantize_for(Int8Path path, cpu::quant::Format fmt, const float* x, 
 }
 
 // Blocks [begin, end) of kSkinnyBlock output columns of out [T, N] = act(x @ W^T + bias) +
-// residual, W the GGUF blocks w ([N, K], or [2N, K] gate rows then up rows for gated acts):
-// each block's dot products on x (float32 [T, K], up to kMaxDotTokens tokens at a time) or on
-// x_int8 (quantize_for's rounding of x for `path`), then its epilogue. residual may be out;
-// y_gate and y_up are scratch of T * kSkinnyBlock floats (y_up for gated acts only).
+// residual, W the GGUF blocks w ([N, K], or [2N, K] gate rows then up rows for gated acts;
+// N a multiple of kRowGroup in the x16 layout): each block's dot products on x (float32
+// [T, K], up to kMaxDotTokens tokens at a time) or on x_int8 (quantize_for's rounding of x for
+// `path`), then its epilogue. residual may be out; y_gate and y_up are scratch of
+// T * kSkinnyBlock floats (y_up for gated acts only).
 template <typename scalar_t, Activation act>
-void quant_dot_blocks(cpu::quant::Isa isa, cpu::quant::Format fmt, const float* x,
-                      Int8Path path, const uint8_t* x_int8, int64_t T, int64_t K, const uint8_t* w,
+void quant_dot_blocks(cpu::quant::Isa isa, QuantLayout layout, const float* x, Int8Path path,
+                      const uint8_t* x_int8, int64_t T, int64_t K, const uint8_t* w,
                       const scalar_t* bias, const scalar_t* residual, scalar_t* out, int64_t N,
                       int64_t begin, int64_t end, float* y_gate, float* y_up) {
+  static_assert(kSkinnyBlock % cpu::quant::kRowGroup == 0);
   constexpr int64_t B = kSkinnyBlock, kChunk = cpu::quant::kMaxDotTokens;
+  const cpu::quant::Format fmt = layout.format;
   const int64_t row_bytes = cpu::quant::row_bytes(fmt, K);
   const int64_t half = is_gated(act) ? N : 0;  // offset of the up rows
   float* const y[2] = {y_gate, y_up};
+  thread_local std::vector<uint8_t> scratch;
   for (int64_t blk = begin; blk < end; ++blk) {
     const int64_t n0 = blk * B, cols = std::min(B, N - n0);
     for (int64_t part = 0; part < (half ? 2 : 1); ++part) {
       const uint8_t* rows = w + (part * half + n0) * row_bytes;
+      if (layout.rows16 && path == Int8Path::kVnni) {
+        for (int64_t t0 = 0; t0 < T; t0 += kChunk) {
+          cpu::quant::dot_rows16_int8(fmt, x_int8 + cpu::quant::int8_activation_bytes(t0, K),
+                                      std::min(kChunk, T - t0), K, rows, cols, y[part] + t0 * B,
+                                      B);
+        }
+        continue;
+      }
+      rows = file_rows(layout, rows, K, cols, scratch);
       if (path == Int8Path::kAmx) {
         cpu::quant::dot_rows_amx(fmt, x_int8, T, K, rows, cols, y[part], B);
         continue;

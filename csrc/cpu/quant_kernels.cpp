@@ -22,37 +22,9 @@
 #include "orca/cpu/quant_int16.h"
 #include "orca/cpu/quant_portable.h"
 #include "orca/cpu/quant_vnni.h"
+#include "orca/cpu/quant_vnni_rows16.h"
 
 namespace orca::cpu::quant {
-namespace {
-
-// f.template operator()<F>() for a format the tile kernels read (has_tile_kernels); their
-// callers route the others to the float kernels (quant_blocks.h's int8_path).
-template <typename Fn>
-void dispatch_tile_format(Format format, const Fn& f) {
-  switch (format) {
-    case Format::kQ8_0: return f.template operator()<Format::kQ8_0>();
-    case Format::kQ4_0: return f.template operator()<Format::kQ4_0>();
-    case Format::kQ4_1: return f.template operator()<Format::kQ4_1>();
-    default: std::abort();
-  }
-}
-
-// f.template operator()<F>() for the format.
-template <typename Fn>
-void dispatch_format(Format format, const Fn& f) {
-  switch (format) {
-    case Format::kQ5_0: return f.template operator()<Format::kQ5_0>();
-    case Format::kQ5_1: return f.template operator()<Format::kQ5_1>();
-    case Format::kQ8_M: return f.template operator()<Format::kQ8_M>();
-    case Format::kQ4_K: return f.template operator()<Format::kQ4_K>();
-    case Format::kQ5_K: return f.template operator()<Format::kQ5_K>();
-    case Format::kQ6_K: return f.template operator()<Format::kQ6_K>();
-    default: return dispatch_tile_format(format, f);
-  }
-}
-
-}  // namespace
 
 bool isa_supported(Isa isa) {
   __builtin_cpu_init();  // idempotent: the feature bits are valid even before libgcc set them
@@ -112,6 +84,14 @@ void dot_rows_int8(Format format, const void* x_int8, int64_t T, int64_t K, cons
   const auto* x = static_cast<const vnni::BlockPair*>(x_int8);
   dispatch_format(format, [&]<Format F>() {
     dispatch_tokens(T, [&]<int kT>() { vnni::dot_rows<F, kT>(x, K, w, rows, y, y_stride); });
+  });
+}
+
+void dot_rows16_int8(Format format, const void* x_int8, int64_t T, int64_t K, const uint8_t* w,
+                     int64_t rows, float* y, int64_t y_stride) {
+  const auto* x = static_cast<const vnni::BlockPair*>(x_int8);
+  dispatch_format(format, [&]<Format F>() {
+    dispatch_tokens(T, [&]<int kT>() { vnni::dot_rows16<F, kT>(x, K, w, rows, y, y_stride); });
   });
 }
 

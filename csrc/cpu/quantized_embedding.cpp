@@ -21,14 +21,8 @@ at::Tensor quantized_embedding_cpu(const at::Tensor& ids_in, const at::Tensor& q
   TORCH_CHECK(qweight_in.device().is_cpu() && ids_in.device().is_cpu(),
               "quantized_embedding runs on the CPU; qweight is on ", qweight_in.device(),
               " and ids on ", ids_in.device());
-  const int64_t block = cpu::quant::weights_per_block(fmt);
-  TORCH_CHECK(embedding_dim >= 0 && embedding_dim % block == 0,
-              "embedding_dim must be a non-negative multiple of ", block, " (the block size of ",
-              std::string(format), "), got ", embedding_dim);
+  check_block_rows(qweight_in, fmt, format, embedding_dim, "embedding_dim");
   const int64_t row_bytes = cpu::quant::row_bytes(fmt, embedding_dim);
-  TORCH_CHECK(qweight_in.size(1) == row_bytes, "qweight has ", qweight_in.size(1),
-              " bytes per row but embedding_dim = ", embedding_dim, " in ", std::string(format),
-              " blocks takes ", row_bytes);
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
   const at::Tensor qweight = qweight_in.contiguous();
   const int64_t T = ids.size(0), rows = qweight.size(0);

@@ -50,12 +50,48 @@ constexpr std::pair<const char*, Format> kFormatNames[] = {
     {"q5_0", Format::kQ5_0}, {"q5_1", Format::kQ5_1}, {"q8_m", Format::kQ8_M},
     {"q4_K", Format::kQ4_K}, {"q5_K", Format::kQ5_K}, {"q6_K", Format::kQ6_K}};
 
+namespace {
+
+// 'q8_0', 'q4_0', ...: the names for an error message.
+std::string format_names() {
+  std::string names;
+  for (const auto& [known, format] : kFormatNames) {
+    names += (names.empty() ? "'" : ", '") + std::string(known) + "'";
+  }
+  return names;
+}
+
+}  // namespace
+
 Format parse_quant_format(c10::string_view name, const char* what) {
   for (const auto& [known, format] : kFormatNames) {
     if (name == known) return format;
   }
-  TORCH_CHECK(false, what, " must be one of 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_m', "
-              "'q4_K', 'q5_K', 'q6_K', got '", std::string(name), "'");
+  TORCH_CHECK(false, what, " must be one of ", format_names(), ", got '", std::string(name),
+              "'");
+}
+
+QuantLayout parse_quant_layout(c10::string_view name, const char* what) {
+  const c10::string_view suffix = kRows16Suffix;
+  const bool rows16 = name.size() > suffix.size() && name.ends_with(suffix);
+  const c10::string_view base = rows16 ? name.substr(0, name.size() - suffix.size()) : name;
+  for (const auto& [known, format] : kFormatNames) {
+    if (base == known) return {format, rows16};
+  }
+  TORCH_CHECK(false, what, " must be one of ", format_names(), ", or one of them with '",
+              kRows16Suffix, "' (the x16 layout), got '", std::string(name), "'");
+}
+
+void check_block_rows(const at::Tensor& qweight, Format fmt, c10::string_view format, int64_t K,
+                      const char* k_name) {
+  const int64_t block = cpu::quant::weights_per_block(fmt);
+  TORCH_CHECK(K >= 0 && K % block == 0, k_name, " must be a non-negative multiple of ", block,
+              " (the block size of ", std::string(format), "), got ", K);
+  const int64_t row_bytes = cpu::quant::row_bytes(fmt, K);
+  TORCH_CHECK(qweight.size(1) == row_bytes, "qweight has ", qweight.size(1),
+              " bytes per row but ", k_name, " = ", K, " in ", std::string(format),
+              " blocks takes ", row_bytes, " (", cpu::quant::block_bytes(fmt), " bytes per ",
+              block, " weights)");
 }
 
 QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& qweight,
@@ -67,7 +103,8 @@ QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& q
                                         const std::optional<at::Tensor>& norm_weight,
                                         const std::optional<at::Tensor>& norm_bias,
                                         double norm_eps) {
-  const Format fmt = parse_quant_format(format);
+  const QuantLayout layout = parse_quant_layout(format);
+  const Format fmt = layout.format;
   const Activation act = parse_activation(activation);
   check_dim(x, "x", 2, "[T, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
@@ -76,33 +113,32 @@ QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& q
   check_dim(qweight, "qweight", 2, "[N, K / block_weights * block_bytes] (uint8 GGUF blocks)");
   check_dtype(qweight, "qweight", at::kByte);
   check_same_device(qweight, "qweight", x, "x");
-  const int64_t block = cpu::quant::weights_per_block(fmt);
-  TORCH_CHECK(in_features >= 0 && in_features % block == 0,
-              "in_features must be a non-negative multiple of ", block, " (the block size of ",
-              std::string(format), "), got ", in_features);
+  check_block_rows(qweight, fmt, format, in_features, "in_features");
   TORCH_CHECK(x.size(1) == in_features, "x is ", shape_str(x), " but in_features = ",
               in_features, ": x.size(1) must equal in_features (K)");
-  const int64_t row_bytes = cpu::quant::row_bytes(fmt, in_features);
-  TORCH_CHECK(qweight.size(1) == row_bytes, "qweight has ", qweight.size(1),
-              " bytes per row but in_features = ", in_features, " in ", std::string(format),
-              " blocks takes ", row_bytes, " (", cpu::quant::block_bytes(fmt), " bytes per ",
-              block, " weights)");
-  return {fmt, act, check_epilogue_inputs(x, qweight.size(0), "qweight", act, bias, residual,
-                                          norm, norm_weight, norm_bias, norm_eps)};
+  if (layout.rows16) {
+    const int64_t part_rows = is_gated(act) ? qweight.size(0) / 2 : qweight.size(0);
+    TORCH_CHECK(part_rows % cpu::quant::kRowGroup == 0, "qweight in the x16 layout ('",
+                std::string(format), "') must have a multiple of ", cpu::quant::kRowGroup,
+                " rows", is_gated(act) ? " in each of its gate and up halves" : "", ", got ",
+                qweight.size(0));
+  }
+  return {layout, act, check_epilogue_inputs(x, qweight.size(0), "qweight", act, bias, residual,
+                                             norm, norm_weight, norm_bias, norm_eps)};
 }
 
 namespace {
 
 // The dot kernels' tokens: the blocks of kSkinnyBlock output columns split across the threads.
 template <typename scalar_t, Activation act>
-void dot_linear(Isa isa, Format fmt, const float* x, Int8Path path, const uint8_t* x_int8,
-                int64_t T, int64_t K, const uint8_t* w, const scalar_t* bias,
-                const scalar_t* residual, scalar_t* out, int64_t N) {
+void dot_linear(Isa isa, QuantLayout layout, const float* x, Int8Path path,
+                const uint8_t* x_int8, int64_t T, int64_t K, const uint8_t* w,
+                const scalar_t* bias, const scalar_t* residual, scalar_t* out, int64_t N) {
   at::parallel_for(0, ceil_div(N, kSkinnyBlock), skinny_grain(K, act),
                    [&](int64_t begin, int64_t end) {
     std::vector<float> y(2 * T * kSkinnyBlock);
-    quant_dot_blocks<scalar_t, act>(isa, fmt, x, path, x_int8, T, K, w, bias, residual, out, N,
-                                    begin, end, y.data(), y.data() + T * kSkinnyBlock);
+    quant_dot_blocks<scalar_t, act>(isa, layout, x, path, x_int8, T, K, w, bias, residual, out,
+                                    N, begin, end, y.data(), y.data() + T * kSkinnyBlock);
   });
 }
 
@@ -128,8 +164,9 @@ PanelPlan panel_plan(int64_t N, int64_t K, int64_t parts, int64_t element_bytes)
 // by side for gated acts), one single-threaded GEMM of all tokens per panel into a
 // thread-local buffer, and the epilogue from there into out.
 template <typename scalar_t, Activation act>
-void panel_linear(Isa isa, Format fmt, const at::Tensor& x, const uint8_t* w,
+void panel_linear(Isa isa, QuantLayout layout, const at::Tensor& x, const uint8_t* w,
                   const scalar_t* bias, const scalar_t* residual, at::Tensor& out) {
+  const Format fmt = layout.format;
   const int64_t T = x.size(0), K = x.size(1), N = out.size(1);
   const int64_t row_bytes = cpu::quant::row_bytes(fmt, K);
   const int64_t parts = is_gated(act) ? 2 : 1;
@@ -143,10 +180,12 @@ void panel_linear(Isa isa, Format fmt, const at::Tensor& x, const uint8_t* w,
     const at::ThreadLocalStateGuard state_guard(caller_state);
     at::Tensor panel = at::empty({parts * rows_per_panel, K}, x.options());
     at::Tensor buffer = at::empty({T * parts * rows_per_panel}, x.options());
+    std::vector<uint8_t> file_layout;
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * rows_per_panel, rows = std::min(rows_per_panel, N - n0);
       for (int64_t part = 0; part < parts; ++part) {
-        const uint8_t* src = w + (part * half + n0) * row_bytes;
+        const uint8_t* src = file_rows(layout, w + (part * half + n0) * row_bytes, K, rows,
+                                       file_layout);
         scalar_t* dst = panel.data_ptr<scalar_t>() + part * rows * K;
         if constexpr (std::is_same_v<scalar_t, float>) {
           cpu::quant::dequantize_rows(isa, fmt, src, K, rows, dst);
@@ -170,8 +209,9 @@ void panel_linear(Isa isa, Format fmt, const at::Tensor& x, const uint8_t* w,
 // int16 GEMM of all tokens against each into a thread-local buffer, and the epilogue from there
 // into out.
 template <Activation act>
-void int16_linear(Format fmt, const at::Tensor& x, const uint8_t* w, const float* bias,
+void int16_linear(QuantLayout layout, const at::Tensor& x, const uint8_t* w, const float* bias,
                   const float* residual, at::Tensor& out) {
+  const Format fmt = layout.format;
   const int64_t T = x.size(0), K = x.size(1), N = out.size(1);
   const int64_t row_bytes = cpu::quant::row_bytes(fmt, K);
   const int64_t parts = is_gated(act) ? 2 : 1;
@@ -192,11 +232,13 @@ void int16_linear(Format fmt, const at::Tensor& x, const uint8_t* w, const float
     const auto scales = std::make_unique_for_overwrite<float[]>(padded * groups);
     const auto offsets = std::make_unique_for_overwrite<float[]>(padded * (K / 32));
     const auto y = std::make_unique_for_overwrite<float[]>(T * parts * rows_per_panel);
+    std::vector<uint8_t> file_layout;
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * rows_per_panel, rows = std::min(rows_per_panel, N - n0);
       for (int64_t part = 0; part < parts; ++part) {
-        cpu::quant::unpack_rows_int16(fmt, w + (part * half + n0) * row_bytes, K, rows,
-                                      quants.get(), scales.get(), offsets.get());
+        cpu::quant::unpack_rows_int16(
+            fmt, file_rows(layout, w + (part * half + n0) * row_bytes, K, rows, file_layout), K,
+            rows, quants.get(), scales.get(), offsets.get());
         cpu::quant::gemm_rows_int16(fmt, x_int16.get(), T, K, quants.get(), scales.get(),
                                     offsets.get(), rows, y.get() + part * rows, parts * rows);
       }
@@ -217,7 +259,7 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
                                 const std::optional<at::Tensor>& norm_weight,
                                 const std::optional<at::Tensor>& norm_bias, double norm_eps,
                                 bool int8_activations) {
-  const auto [fmt, act, input_norm] =
+  const auto [layout, act, input_norm] =
       check_quantized_linear_inputs(x_in, qweight_in, format, in_features, bias_in, activation,
                                     residual_in, norm, norm_weight, norm_bias, norm_eps);
   const Isa isa = quant_isa_choice().get();
@@ -235,13 +277,15 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
   const auto run = [&]<typename scalar_t, Activation a>() {
     const scalar_t* bias_ptr = bias_in ? bias.data_ptr<scalar_t>() : nullptr;
     const scalar_t* res_ptr = residual_in ? residual.data_ptr<scalar_t>() : nullptr;
-    const Int8Path path = int8_path(isa, fmt, T, int8_activations);
+    const Format fmt = layout.format;
+    const Int8Path path = int8_path(isa, layout, T, int8_activations);
     constexpr bool kFloat = std::is_same_v<scalar_t, float>;
     const bool int16_gemm = kFloat && isa == Isa::kAvx512Vnni;
-    const int64_t dot_max_t = path == Int8Path::kAmx ? (kFloat ? T : kAmxMaxTBf16)
-                              : int16_gemm           ? kDotMaxTInt16
-                              : kFloat               ? kDotMaxTFloat
-                                                     : kDotMaxTBf16;
+    const int64_t dot_max_t = path == Int8Path::kAmx    ? (kFloat ? T : kAmxMaxTBf16)
+                              : path == Int8Path::kVnni ? T
+                              : int16_gemm              ? kDotMaxTInt16
+                              : kFloat                  ? kDotMaxTFloat
+                                                        : kDotMaxTBf16;
     if (T <= dot_max_t) {
       const at::Tensor x_float = x.to(at::kFloat).contiguous();
       const float* xf = x_float.data_ptr<float>();
@@ -261,13 +305,13 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
       } else {
         quantize_for(path, fmt, xf, T, K, x_int8_ptr);
       }
-      return dot_linear<scalar_t, a>(isa, fmt, xf, path, x_int8_ptr, T, K, w, bias_ptr, res_ptr,
-                                     out.data_ptr<scalar_t>(), n_out);
+      return dot_linear<scalar_t, a>(isa, layout, xf, path, x_int8_ptr, T, K, w, bias_ptr,
+                                     res_ptr, out.data_ptr<scalar_t>(), n_out);
     }
     if constexpr (kFloat) {
-      if (int16_gemm) return int16_linear<a>(fmt, x, w, bias_ptr, res_ptr, out);
+      if (int16_gemm) return int16_linear<a>(layout, x, w, bias_ptr, res_ptr, out);
     }
-    panel_linear<scalar_t, a>(isa, fmt, x, w, bias_ptr, res_ptr, out);
+    panel_linear<scalar_t, a>(isa, layout, x, w, bias_ptr, res_ptr, out);
   };
   const auto run_dtype = [&]<typename scalar_t>() {
     switch (act) {

@@ -7,7 +7,9 @@ that hold them, and filling them from a checkpoint.
 quantized types, Q2_K, Q3_K and the other i-quants, converted to q8_0 at load) and any other
 model unquantized; ``"none"`` dequantizes everything; ``"q8_0"``, ``"q4_0"``, ``"q4_1"`` quantize
 every linear weight (and a tied embedding with the output head) at load. Quantized models run
-float32 activations by default, as llama.cpp does.
+float32 activations by default, as llama.cpp does. Where the CPU's quantized kernels read it, the
+decoder linears' blocks are then rewritten in place in the x16 layout
+(``interleave_decoder_rows``).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import ops
+from .. import _C, ops
 from ..quantize import (EXACT_IN_Q8_0, EXACT_IN_Q8_M, GGUF_FORMATS, as_exact, block_weights,
                         iq4_xs_as_q8_0, quantize_weight, row_bytes)
 from .layers import Embedding, LayerNorm, Layer, Linear, RMSNorm
@@ -247,6 +249,35 @@ def load_quantized(out: torch.Tensor, checkpoint: Checkpoint, spec: HFWeight,
             values = piece[:].t() if spec.transpose else piece[:]
             out[offset:offset + rows].copy_(quantize_weight(values, how.format))
         offset += rows
+
+
+def rows16_formats(isa: str) -> tuple[str, ...]:
+    """The formats whose x16 layout (``ops.interleave_rows16``) the quantized kernels of ``isa``
+    read directly: every one on ``avx512_vnni``; on ``amx_int8`` those its tile kernels do not
+    take (they read q8_0 / q4_0 / q4_1 rows from 3 tokens on); none elsewhere."""
+    if isa == "avx512_vnni":
+        return ops.QUANT_FORMATS
+    if isa == "amx_int8":
+        return tuple(f for f in ops.QUANT_FORMATS if f not in ("q8_0", "q4_0", "q4_1"))
+    return ()
+
+
+def interleave_decoder_rows(model: nn.Module) -> None:
+    """Rewrite in place, in the x16 layout, the blocks of the decoder blocks' quantized linears
+    whose format has one on the kernels this CPU runs (``_C.get_isa("quant")``) and whose rows
+    (each gated half's) are a multiple of 16: their decode steps then run one output row per
+    vector lane. The output head and the embedding keep the file's rows (the head's logits are
+    never rounded to int8, and the embedding gathers rows)."""
+    formats = rows16_formats(_C.get_isa("quant"))
+    for module in getattr(model, "layers", nn.ModuleList()).modules():
+        if not isinstance(module, QuantizedLinear) or module.format not in formats:
+            continue
+        halves = 2 if module.activation in ops.GATED_ACTIVATIONS else 1
+        if module.weight.shape[0] % (16 * halves):
+            continue
+        module.weight.copy_(ops.interleave_rows16(module.weight, module.format,
+                                                  module.in_features))
+        module.format += ops.ROWS16_SUFFIX
 
 
 def logical_shape(module: Any) -> tuple[int, int]:

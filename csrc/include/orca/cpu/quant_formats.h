@@ -30,6 +30,7 @@
 
 #include <bit>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 namespace orca::cpu::quant {
@@ -71,6 +72,32 @@ constexpr int64_t row_bytes(Format f, int64_t K) {
 // an offset (chunk_scale, chunk_quants). avx512_vnni's int8 kernels read every format.
 constexpr bool has_tile_kernels(Format f) {
   return f == Format::kQ8_0 || f == Format::kQ4_0 || f == Format::kQ4_1;
+}
+
+// f.template operator()<F>() for a format the tile kernels read (has_tile_kernels); their
+// callers route the others to the float kernels (quant_blocks.h's int8_path).
+template <typename Fn>
+void dispatch_tile_format(Format format, const Fn& f) {
+  switch (format) {
+    case Format::kQ8_0: return f.template operator()<Format::kQ8_0>();
+    case Format::kQ4_0: return f.template operator()<Format::kQ4_0>();
+    case Format::kQ4_1: return f.template operator()<Format::kQ4_1>();
+    default: std::abort();
+  }
+}
+
+// f.template operator()<F>() for the format.
+template <typename Fn>
+void dispatch_format(Format format, const Fn& f) {
+  switch (format) {
+    case Format::kQ5_0: return f.template operator()<Format::kQ5_0>();
+    case Format::kQ5_1: return f.template operator()<Format::kQ5_1>();
+    case Format::kQ8_M: return f.template operator()<Format::kQ8_M>();
+    case Format::kQ4_K: return f.template operator()<Format::kQ4_K>();
+    case Format::kQ5_K: return f.template operator()<Format::kQ5_K>();
+    case Format::kQ6_K: return f.template operator()<Format::kQ6_K>();
+    default: return dispatch_tile_format(format, f);
+  }
 }
 
 // The first byte of a q8_0 / q4_0 / q4_1 block's quants (after d, and m for q4_1).

@@ -46,6 +46,10 @@ void quantize_activations(Format format, const float* x, int64_t T, int64_t K, v
 void dot_rows_int8(Format format, const void* x_int8, int64_t T, int64_t K, const uint8_t* w,
                    int64_t rows, float* y, int64_t y_stride);
 
+// dot_rows_int8 on w in the x16 layout (quant_rows16.h; rows a multiple of kRowGroup).
+void dot_rows16_int8(Format format, const void* x_int8, int64_t T, int64_t K, const uint8_t* w,
+                     int64_t rows, float* y, int64_t y_stride);
+
 // kAmxInt8's tile kernels: T tokens are split into two int8 parts per block, in groups of
 // amx_group_tokens(T) tokens (4 to 16) laid out as the tiles read them. The bytes of T tokens;
 // the first T tokens of x [T, K] (K a multiple of 32) split into groups of G

@@ -36,6 +36,7 @@ struct BlockPair {
   float unit[16];   // dx / 256 of lane l's block
   int32_t off[16];  // the weights' zero (quant_zero) times lane l's sum of 256 q + q_lo
   float sum[16];    // unit times lane l's sum of 256 q + q_lo, for the formats' min term
+  int32_t total[4];  // sums of 256 q + q_lo of values 0-15, 16-31 of each block (x16 kernels)
 };
 
 constexpr bool interleaved_pairs(Format f) {
@@ -91,6 +92,12 @@ inline void quantize_activations(Format f, const float* x, int64_t T, int64_t K,
                                         {{0, 0}, {1, 0}, {0, 16}, {1, 16}}};
       const auto& groups = kGroups[interleaved_pairs(f) ? 1 : 0];
       BlockPair& o = out[t * pairs + p];
+      for (int quarter = 0; quarter < 4; ++quarter) {
+        o.total[quarter] = 0;
+        for (int j = 16 * (quarter % 2); j < 16 * (quarter % 2) + 16; ++j) {
+          o.total[quarter] += 256 * q[0][quarter / 2][j] + q[1][quarter / 2][j];
+        }
+      }
       for (int g = 0; g < 4; ++g) {
         for (int j = 0; j < 16; ++j) {
           o.q[16 * g + j] = q[0][groups[g][0]][groups[g][1] + j];
