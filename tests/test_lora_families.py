@@ -126,7 +126,9 @@ def test_fused_decode_matches_per_op_quantized(family):
     slots = [1, 0, -1]
     _, per_op = run_steps(loaded, manager, slots, fused_decode=False)
     _, fused = run_steps(loaded, manager, slots, fused_decode=True)
-    torch.testing.assert_close(fused, per_op, atol=1e-4, rtol=1e-4)
+    # The int8 kernels (avx512_vnni, amx_int8) round activations: a last-bit difference in a
+    # linear's input (the delta added in another order) may move one rounding, ~1e-4 here.
+    torch.testing.assert_close(fused, per_op, atol=5e-4, rtol=1e-4)
 
 
 def test_stack_lora_errors(family):
