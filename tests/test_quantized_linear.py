@@ -117,16 +117,17 @@ def int16_rounded(rows: torch.Tensor) -> torch.Tensor:
 
 def rounding(isa: str, T: int, dtype: torch.dtype, fmt: str, int8_activations: bool = True):
     """How the path rounds T tokens of x in fmt: remainders in dx / 256 where avx512_vnni's
-    kernels (on amx_int8 too; not q8_0 on avx512_vnni) take up to INT8_MAX_T tokens, to int16
-    blocks where avx512_vnni's GEMM takes more than DOT_MAX_T_INT16 float32 tokens, in dx / 254
-    where amx_int8's tiles take more (not the stored formats), else None (float32
-    activations)."""
+    kernels (on amx_int8 too; not q8_0 on avx512_vnni) take up to INT8_MAX_T tokens, in dx / 254
+    where amx_int8's tiles take more (not the stored formats), to int16 blocks where the int16
+    GEMM (avx512_vnni's, and amx_int8's on the stored formats) takes more than DOT_MAX_T_INT16
+    float32 tokens, else None (float32 activations)."""
     if T <= INT8_MAX_T:
         vnni = (isa == "amx_int8" or (isa == "avx512_vnni" and fmt != "q8_0")) and int8_activations
         return functools.partial(int8x2_rounded, lo_steps=256) if vnni else None
-    if isa == "avx512_vnni" and dtype == torch.float32 and T > DOT_MAX_T_INT16:
-        return int16_rounded
     tiles = isa == "amx_int8" and fmt not in STORED_FORMATS
+    int16 = isa == "avx512_vnni" or (isa == "amx_int8" and not tiles)
+    if int16 and dtype == torch.float32 and T > DOT_MAX_T_INT16:
+        return int16_rounded
     if tiles and (dtype == torch.float32 or T <= AMX_MAX_T_BF16):
         return functools.partial(int8x2_rounded, lo_steps=254)
     return None
@@ -198,7 +199,8 @@ def test_int8_activation_error(fmt, isa, T, steps, force_isa):
     """The int8 and int16 paths' one error beyond float32 accumulation: each activation rounded
     by at most its block's dx / steps (dx = max |x| / 127; the remainder's int8 part is in steps
     of dx / 256 in avx512_vnni's kernels, dx / 254 in amx_int8's tiles; avx512_vnni's int16
-    GEMM rounds to max |x| / 32767, within dx / 516), so an output moves by at most
+    GEMM, amx_int8's too on the stored formats, rounds to max |x| / 32767, within dx / 516), so
+    an output moves by at most
     sum_k |w_k| dx_k / steps."""
     if isa not in _C.quant_isas():
         pytest.skip(f"this CPU does not run the {isa} path")

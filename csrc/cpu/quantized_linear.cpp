@@ -8,11 +8,12 @@
 // bfloat16 x) and runs one GEMM of all tokens against it (at::mm: MKL / oneDNN), then the
 // epilogue on the panel's output columns while they are in cache.
 // avx512_vnni's float32 x beyond kDotMaxTInt16 tokens takes the int16 GEMM instead of the panels
-// (orca/cpu/quant_int16.h: x rounded to int16 per block, each panel's quants unpacked to int16).
+// (orca/cpu/quant_int16.h: x rounded to int16 per block, each panel's quants unpacked to int16),
+// and so does amx_int8's on the formats its tiles do not read.
 // The kernels' ISA (portable, avx2, avx512, avx512_vnni: avx512 with int8 activations for up to
 // kInt8MaxT tokens, every format; amx_int8: avx512_vnni with AMX-INT8 tile products on
 // activations split into two int8 parts for more: any number of float32 tokens, up to
-// kAmxMaxTBf16 bfloat16 ones, for q8_0 / q4_0 / q4_1, avx512 for the other formats) is the best
+// kAmxMaxTBf16 bfloat16 ones, for q8_0 / q4_0 / q4_1, avx512_vnni for the other formats) is the best
 // this CPU runs, or orca_ext._C.set_isa("quant", ...)'s (seeded by ORCA_QUANT_ISA).
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
@@ -280,7 +281,9 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
     const Format fmt = layout.format;
     const Int8Path path = int8_path(isa, layout, T, int8_activations);
     constexpr bool kFloat = std::is_same_v<scalar_t, float>;
-    const bool int16_gemm = kFloat && isa == Isa::kAvx512Vnni;
+    // amx_int8 runs the formats its tiles do not read as avx512_vnni does.
+    const bool int16_gemm = kFloat && path == Int8Path::kNone &&
+                            (isa == Isa::kAvx512Vnni || isa == Isa::kAmxInt8);
     const int64_t dot_max_t = path == Int8Path::kAmx    ? (kFloat ? T : kAmxMaxTBf16)
                               : path == Int8Path::kVnni ? T
                               : int16_gemm              ? kDotMaxTInt16
