@@ -132,7 +132,9 @@ import llama_cpp as lc
 logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
 lc.llama_backend_init()
 resident, start = {_RESIDENT}, time.perf_counter()
-model = lc.llama_model_load_from_file(sys.argv[1].encode(), lc.llama_model_default_params())
+model_params = lc.llama_model_default_params()
+model_params.use_extra_bufts = sys.argv[3] == "1"
+model = lc.llama_model_load_from_file(sys.argv[1].encode(), model_params)
 params = lc.llama_context_default_params()
 params.n_ctx = 64
 params.n_threads = params.n_threads_batch = int(sys.argv[2])
@@ -145,14 +147,16 @@ print(json.dumps([time.perf_counter() - start, {_RESIDENT} - resident]))
 }
 
 
-def load_time(engine: str, path: str, threads: int, repeats: int) -> tuple[float, float]:
+def load_time(engine: str, path: str, threads: int, repeats: int,
+              extra_bufts: bool) -> tuple[float, float]:
     """(seconds, resident MB) of the fastest of ``repeats`` loads after an untimed one."""
     runs = []
     for _ in range(1 + repeats):
-        done = subprocess.run([sys.executable, "-c", LOAD_CHILDREN[engine], path, str(threads)],
-                              capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-c", LOAD_CHILDREN[engine], path, str(threads),
+                               str(int(extra_bufts))], capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{engine} could not load {path}: {done.stderr[-2000:]}")
+            raise RuntimeError(f"{engine} could not load {path} (exit code {done.returncode}): "
+                               f"{done.stderr[-2000:]}")
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     seconds, resident = min(runs[1:])
     return seconds, resident / 1e6
@@ -411,7 +415,7 @@ def main() -> int:
     record: dict = {"cpu": cpu, "threads": args.threads, "args": vars(args)}
 
     if "load" in args.sections:
-        loads = {name: load_time(name, path, args.threads, args.repeats)
+        loads = {name: load_time(name, path, args.threads, args.repeats, args.extra_bufts)
                  for name in LOAD_CHILDREN}
         print("\nload: the call to the first token, a fresh process, file cached")
         for name, (seconds, resident) in loads.items():
