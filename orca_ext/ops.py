@@ -188,8 +188,8 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, format: str, in_fea
     ``max |x| / 65534``) for its int16 GEMM, and
     from 3 tokens ``amx_int8`` (the default where the CPU has AMX) multiplies ``q8_0``, ``q4_0``
     and ``q4_1`` on AMX tiles on activations split in two int8 parts (within
-    ``max |x| / 64516``), the other formats on ``avx512``'s float kernels. The other paths use
-    the activations as given.
+    ``max |x| / 64516``), the other formats as ``avx512_vnni`` does (float dot kernels up to 8
+    tokens, the int16 GEMM beyond). The other paths use the activations as given.
     """
     return torch.ops.orca.quantized_linear(x, qweight, format, in_features, bias, activation,
                                            residual, norm, norm_weight, norm_bias, norm_eps,

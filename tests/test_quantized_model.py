@@ -577,20 +577,19 @@ def test_float_activations_on_request(force_isa, isa):
 
 
 def test_rows16_formats_per_isa():
-    """The x16 layout where the kernels read it directly: every format on avx512_vnni; on
-    amx_int8 those its tile kernels (q8_0, q4_0, q4_1) do not take."""
-    assert rows16_formats("avx512_vnni") == ops.QUANT_FORMATS
-    assert rows16_formats("amx_int8") == ("q5_0", "q5_1", "q8_m", "q4_K", "q5_K", "q6_K")
+    """The x16 layout where the decode-sized int8 kernels read it: every format on avx512_vnni
+    and amx_int8."""
+    assert rows16_formats("avx512_vnni") == rows16_formats("amx_int8") == ops.QUANT_FORMATS
     for isa in ("portable", "avx2", "avx512"):
         assert rows16_formats(isa) == ()
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512_vnni"])
+@pytest.mark.parametrize("isa", ["avx2", "avx512_vnni", "amx_int8"])
 def test_loader_interleaves_decoder_linears_for_the_cpus_kernels(stored_formats_file, isa,
                                                                  force_isa):
-    """Loaded under avx512_vnni, the decoder blocks' linears are in the x16 layout (the same
-    weights) and the embedding and the head keep the file's rows; under avx2 nothing is
-    interleaved."""
+    """Loaded under avx512_vnni or amx_int8, the decoder blocks' linears are in the x16 layout
+    (the same weights) and the embedding and the head keep the file's rows; under avx2 nothing
+    is interleaved."""
     if isa not in _C.quant_isas():
         pytest.skip(f"this CPU does not run the {isa} path")
     force_isa("quant", isa)
