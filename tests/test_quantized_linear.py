@@ -200,8 +200,7 @@ def test_int8_activation_error(fmt, isa, T, steps, force_isa):
     by at most its block's dx / steps (dx = max |x| / 127; the remainder's int8 part is in steps
     of dx / 256 in avx512_vnni's kernels, dx / 254 in amx_int8's tiles; avx512_vnni's int16
     GEMM, amx_int8's too on the stored formats, rounds to max |x| / 32767, within dx / 516), so
-    an output moves by at most
-    sum_k |w_k| dx_k / steps."""
+    an output moves by at most sum_k |w_k| dx_k / steps."""
     if isa not in _C.quant_isas():
         pytest.skip(f"this CPU does not run the {isa} path")
     if rounding(isa, T, torch.float32, fmt) is None:

@@ -13,8 +13,8 @@
 // The kernels' ISA (portable, avx2, avx512, avx512_vnni: avx512 with int8 activations for up to
 // kInt8MaxT tokens, every format; amx_int8: avx512_vnni with AMX-INT8 tile products on
 // activations split into two int8 parts for more: any number of float32 tokens, up to
-// kAmxMaxTBf16 bfloat16 ones, for q8_0 / q4_0 / q4_1, avx512_vnni for the other formats) is the best
-// this CPU runs, or orca_ext._C.set_isa("quant", ...)'s (seeded by ORCA_QUANT_ISA).
+// kAmxMaxTBf16 bfloat16 ones, for q8_0 / q4_0 / q4_1) is the best this CPU runs, or
+// orca_ext._C.set_isa("quant", ...)'s (seeded by ORCA_QUANT_ISA).
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
