@@ -72,10 +72,10 @@ QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& q
                                         double norm_eps);
 
 // The path of T tokens of the format on the ISA (allow_int8: whether the call allows int8
-// rounding). amx_int8 runs the formats without tile kernels beyond kInt8MaxT tokens on
-// AVX-512's float kernels; avx512_vnni runs q8_0's 1-2 token steps on them in the row layout:
-// its int8 kernel there is compute-bound below the float kernel's memory rate on weights
-// streamed from DRAM (the x16 layout's is not).
+// rounding). amx_int8 runs the formats without tile kernels beyond kInt8MaxT tokens as
+// avx512_vnni does (float dot kernels, then the int16 GEMM); avx512_vnni runs q8_0's 1-2 token
+// steps on the float kernels in the row layout: its int8 kernel there is compute-bound below
+// the float kernel's memory rate on weights streamed from DRAM (the x16 layout's is not).
 inline Int8Path int8_path(cpu::quant::Isa isa, QuantLayout layout, int64_t T, bool allow_int8) {
   using cpu::quant::Isa;
   if (T <= (layout.rows16 ? kRows16Int8MaxT : kInt8MaxT)) {

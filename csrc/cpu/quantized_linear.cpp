@@ -62,23 +62,29 @@ std::string format_names() {
   return names;
 }
 
-}  // namespace
-
-Format parse_quant_format(c10::string_view name, const char* what) {
+// The format named `name`, if any.
+std::optional<Format> known_format(c10::string_view name) {
   for (const auto& [known, format] : kFormatNames) {
     if (name == known) return format;
   }
-  TORCH_CHECK(false, what, " must be one of ", format_names(), ", got '", std::string(name),
+  return std::nullopt;
+}
+
+}  // namespace
+
+Format parse_quant_format(c10::string_view name, const char* what) {
+  const std::optional<Format> format = known_format(name);
+  TORCH_CHECK(format, what, " must be one of ", format_names(), ", got '", std::string(name),
               "'");
+  return *format;
 }
 
 QuantLayout parse_quant_layout(c10::string_view name, const char* what) {
   const c10::string_view suffix = kRows16Suffix;
   const bool rows16 = name.size() > suffix.size() && name.ends_with(suffix);
-  const c10::string_view base = rows16 ? name.substr(0, name.size() - suffix.size()) : name;
-  for (const auto& [known, format] : kFormatNames) {
-    if (base == known) return {format, rows16};
-  }
+  const std::optional<Format> format =
+      known_format(rows16 ? name.substr(0, name.size() - suffix.size()) : name);
+  if (format) return {*format, rows16};
   TORCH_CHECK(false, what, " must be one of ", format_names(), ", or one of them with '",
               kRows16Suffix, "' (the x16 layout), got '", std::string(name), "'");
 }
