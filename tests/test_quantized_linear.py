@@ -22,8 +22,8 @@ from orca_ext.quantize import (BLOCK_LAYOUTS, EXACT_IN_Q8_0, EXACT_IN_Q8_M, IQ4_
 
 FORMATS = list(QUANTIZE_FORMATS)
 # The formats run as stored from GGUF files, which gguf-py does not quantize (K-quants) or
-# orca_ext.quantize does not make: random valid blocks. avx512_vnni's int8 kernels read them
-# too; amx_int8's tiles do not.
+# orca_ext.quantize does not make: random valid blocks. avx512_vnni's int8 kernels and
+# amx_int8's tiles read them too.
 STORED_FORMATS = ["q5_0", "q5_1", "q8_m", "q4_K", "q5_K", "q6_K"]
 # The largest |q * scale| of each stored format per unit of its float16 scales (q6_K: 128 * 32),
 # so that random blocks get weights of order 1 / sqrt(K).
@@ -118,15 +118,13 @@ def int16_rounded(rows: torch.Tensor) -> torch.Tensor:
 def rounding(isa: str, T: int, dtype: torch.dtype, fmt: str, int8_activations: bool = True):
     """How the path rounds T tokens of x in fmt: remainders in dx / 256 where avx512_vnni's
     kernels (on amx_int8 too; not q8_0 on avx512_vnni) take up to INT8_MAX_T tokens, in dx / 254
-    where amx_int8's tiles take more (not the stored formats), to int16 blocks where the int16
-    GEMM (avx512_vnni's, and amx_int8's on the stored formats) takes more than DOT_MAX_T_INT16
-    float32 tokens, else None (float32 activations)."""
+    where amx_int8's tiles take more, to int16 blocks where avx512_vnni's int16 GEMM takes more
+    than DOT_MAX_T_INT16 float32 tokens, else None (float32 activations)."""
     if T <= INT8_MAX_T:
         vnni = (isa == "amx_int8" or (isa == "avx512_vnni" and fmt != "q8_0")) and int8_activations
         return functools.partial(int8x2_rounded, lo_steps=256) if vnni else None
-    tiles = isa == "amx_int8" and fmt not in STORED_FORMATS
-    int16 = isa == "avx512_vnni" or (isa == "amx_int8" and not tiles)
-    if int16 and dtype == torch.float32 and T > DOT_MAX_T_INT16:
+    tiles = isa == "amx_int8"
+    if isa == "avx512_vnni" and dtype == torch.float32 and T > DOT_MAX_T_INT16:
         return int16_rounded
     if tiles and (dtype == torch.float32 or T <= AMX_MAX_T_BF16):
         return functools.partial(int8x2_rounded, lo_steps=254)
@@ -172,8 +170,9 @@ STORED_SHAPES = {32: [(32, 7), (288, 33)], 256: [(256, 7), (768, 33)]}
 @pytest.mark.parametrize("T", [1, 2, 3, 8, 9, 17, 25, 600])
 @pytest.mark.parametrize("shape", [0, 1])
 def test_quantized_linear_stored_formats(isa, fmt, dtype, T, shape):
-    """The dot kernels (1-24 tokens; avx512_vnni's int8 kernels up to INT8_MAX_T) and the
-    panels, on every ISA: amx_int8 runs these formats on avx512's float kernels beyond."""
+    """The dot kernels (1-24 tokens; avx512_vnni's int8 kernels up to INT8_MAX_T), the panels
+    and the int16 GEMM on every ISA; amx_int8's tiles beyond INT8_MAX_T tokens (q6_K in units of
+    16 values, the others 32; N odd: a last group of rows short of 16)."""
     K, N = STORED_SHAPES[block_weights(fmt)][shape]
     q, w = quantized(fmt, K, N)
     x = torch.randn(T, K, generator=torch.Generator().manual_seed(T)).to(dtype)
@@ -199,7 +198,7 @@ def test_int8_activation_error(fmt, isa, T, steps, force_isa):
     """The int8 and int16 paths' one error beyond float32 accumulation: each activation rounded
     by at most its block's dx / steps (dx = max |x| / 127; the remainder's int8 part is in steps
     of dx / 256 in avx512_vnni's kernels, dx / 254 in amx_int8's tiles; avx512_vnni's int16
-    GEMM, amx_int8's too on the stored formats, rounds to max |x| / 32767, within dx / 516), so
+    GEMM rounds to max |x| / 32767, within dx / 516), so
     an output moves by at most sum_k |w_k| dx_k / steps."""
     if isa not in _C.quant_isas():
         pytest.skip(f"this CPU does not run the {isa} path")

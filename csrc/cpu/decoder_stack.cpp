@@ -508,14 +508,13 @@ DecoderStack::DecoderStack(std::string norm, double norm_eps, std::string activa
 }
 
 int64_t DecoderStack::max_tokens() const {
-  // amx_int8's tile kernels (q8_0, q4_0, q4_1) gain on the per-op path's panels up to
-  // kQuantStackMaxT tokens; the float dot kernels, 8 tokens a pass, do not beyond kSkinnyMaxT.
-  const auto tiled = [](const Linear& linear) {
-    return linear.format && cpu::quant::has_tile_kernels(linear.format->format);
-  };
+  // amx_int8's tile kernels gain on the per-op path's panels up to kQuantStackMaxT tokens; the
+  // float dot kernels, 8 tokens a pass, do not beyond kSkinnyMaxT.
+  const auto quantized_linear = [](const Linear& linear) { return linear.format.has_value(); };
   const bool quantized =
       !layers_.empty() && std::all_of(layers_.begin(), layers_.end(), [&](const Layer& l) {
-        return tiled(l.qkv) && tiled(l.out) && tiled(l.up) && tiled(l.down);
+        return quantized_linear(l.qkv) && quantized_linear(l.out) && quantized_linear(l.up) &&
+               quantized_linear(l.down);
       });
   return quantized && quant_isa_choice().get() == cpu::quant::Isa::kAmxInt8 ? kQuantStackMaxT
                                                                           : kSkinnyMaxT;

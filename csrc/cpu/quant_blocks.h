@@ -72,10 +72,9 @@ QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& q
                                         double norm_eps);
 
 // The path of T tokens of the format on the ISA (allow_int8: whether the call allows int8
-// rounding). amx_int8 runs the formats without tile kernels beyond kInt8MaxT tokens as
-// avx512_vnni does (float dot kernels, then the int16 GEMM); avx512_vnni runs q8_0's 1-2 token
-// steps on the float kernels in the row layout: its int8 kernel there is compute-bound below
-// the float kernel's memory rate on weights streamed from DRAM (the x16 layout's is not).
+// rounding): amx_int8's tiles beyond the int8 dot kernels' tokens; avx512_vnni runs q8_0's 1-2
+// token steps on the float kernels in the row layout: its int8 kernel there is compute-bound
+// below the float kernel's memory rate on weights streamed from DRAM (the x16 layout's is not).
 inline Int8Path int8_path(cpu::quant::Isa isa, QuantLayout layout, int64_t T, bool allow_int8) {
   using cpu::quant::Isa;
   if (T <= (layout.rows16 ? kRows16Int8MaxT : kInt8MaxT)) {
@@ -83,8 +82,7 @@ inline Int8Path int8_path(cpu::quant::Isa isa, QuantLayout layout, int64_t T, bo
     const bool vnni = (isa == Isa::kAvx512Vnni && !q8_0_rows) || isa == Isa::kAmxInt8;
     return vnni && allow_int8 ? Int8Path::kVnni : Int8Path::kNone;
   }
-  return isa == Isa::kAmxInt8 && cpu::quant::has_tile_kernels(layout.format) ? Int8Path::kAmx
-                                                                             : Int8Path::kNone;
+  return isa == Isa::kAmxInt8 ? Int8Path::kAmx : Int8Path::kNone;
 }
 
 // Rows [0, rows) of w in the file's row layout: w itself, or w's x16 rows (rows a multiple of
@@ -109,7 +107,7 @@ inline void quantize_for(Int8Path path, cpu::quant::Format fmt, const float* x, 
                          int64_t K, uint8_t* x_int8) {
   if (path == Int8Path::kVnni) cpu::quant::quantize_activations(fmt, x, T, K, x_int8);
   if (path == Int8Path::kAmx) {
-    cpu::quant::quantize_activations_amx(fmt, x, T, K, cpu::quant::amx_group_tokens(T), x_int8);
+    cpu::quant::quantize_activations_amx(x, T, K, cpu::quant::amx_group_tokens(T), x_int8);
   }
 }
 
@@ -143,11 +141,11 @@ void quant_dot_blocks(cpu::quant::Isa isa, QuantLayout layout, const float* x, I
         }
         continue;
       }
-      rows = file_rows(layout, rows, K, cols, scratch);
       if (path == Int8Path::kAmx) {
-        cpu::quant::dot_rows_amx(fmt, x_int8, T, K, rows, cols, y[part], B);
+        cpu::quant::dot_rows_amx(fmt, x_int8, T, K, rows, layout.rows16, cols, y[part], B);
         continue;
       }
+      rows = file_rows(layout, rows, K, cols, scratch);
       for (int64_t t0 = 0; t0 < T; t0 += kChunk) {
         const int64_t tokens = std::min(kChunk, T - t0);
         if (path == Int8Path::kVnni) {

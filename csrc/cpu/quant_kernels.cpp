@@ -101,16 +101,15 @@ int64_t amx_activation_bytes(int64_t T, int64_t K) {
   return amx::token_groups(T) * amx::group_bytes(amx::group_tokens(T), K);
 }
 
-void quantize_activations_amx(Format format, const float* x, int64_t T, int64_t K, int64_t G,
-                              void* x_amx) {
-  amx::quantize_activations(format, x, T, K, G, static_cast<uint8_t*>(x_amx));
+void quantize_activations_amx(const float* x, int64_t T, int64_t K, int64_t G, void* x_amx) {
+  amx::quantize_activations(x, T, K, G, static_cast<uint8_t*>(x_amx));
 }
 
 void dot_rows_amx(Format format, const void* x_amx, int64_t T, int64_t K, const uint8_t* w,
-                  int64_t rows, float* y, int64_t y_stride) {
+                  bool rows16, int64_t rows, float* y, int64_t y_stride) {
   const auto* x = static_cast<const uint8_t*>(x_amx);
-  dispatch_tile_format(format,
-                       [&]<Format F>() { amx::dot_rows<F>(x, T, K, w, rows, y, y_stride); });
+  dispatch_format(format,
+                  [&]<Format F>() { amx::dot_rows<F>(x, T, K, w, rows16, rows, y, y_stride); });
 }
 
 int64_t int16_tiles(int64_t T) { return int16::tiles(T); }

@@ -9,11 +9,11 @@
 // epilogue on the panel's output columns while they are in cache.
 // avx512_vnni's float32 x beyond kDotMaxTInt16 tokens takes the int16 GEMM instead of the panels
 // (orca/cpu/quant_int16.h: x rounded to int16 per block, each panel's quants unpacked to int16),
-// and so does amx_int8's on the formats its tiles do not read.
+// and so does amx_int8's where a call refuses int8 activations.
 // The kernels' ISA (portable, avx2, avx512, avx512_vnni: avx512 with int8 activations for up to
 // kInt8MaxT tokens, every format; amx_int8: avx512_vnni with AMX-INT8 tile products on
 // activations split into two int8 parts for more: any number of float32 tokens, up to
-// kAmxMaxTBf16 bfloat16 ones, for q8_0 / q4_0 / q4_1) is the best this CPU runs, or
+// kAmxMaxTBf16 bfloat16 ones, every format) is the best this CPU runs, or
 // orca_ext._C.set_isa("quant", ...)'s (seeded by ORCA_QUANT_ISA).
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
@@ -287,7 +287,6 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
     const Format fmt = layout.format;
     const Int8Path path = int8_path(isa, layout, T, int8_activations);
     constexpr bool kFloat = std::is_same_v<scalar_t, float>;
-    // amx_int8 runs the formats its tiles do not read as avx512_vnni does.
     const bool int16_gemm = kFloat && path == Int8Path::kNone &&
                             (isa == Isa::kAvx512Vnni || isa == Isa::kAmxInt8);
     const int64_t dot_max_t = path == Int8Path::kAmx    ? (kFloat ? T : kAmxMaxTBf16)
@@ -307,8 +306,8 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
         const int64_t group_bytes = cpu::quant::amx_activation_bytes(G, K);
         at::parallel_for(0, ceil_div(T, G), 1, [&](int64_t begin, int64_t end) {
           for (int64_t g = begin; g < end; ++g) {
-            cpu::quant::quantize_activations_amx(fmt, xf + g * G * K, std::min(G, T - g * G), K,
-                                                 G, x_int8_ptr + g * group_bytes);
+            cpu::quant::quantize_activations_amx(xf + g * G * K, std::min(G, T - g * G), K, G,
+                                                 x_int8_ptr + g * group_bytes);
           }
         });
       } else {

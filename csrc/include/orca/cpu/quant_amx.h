@@ -1,17 +1,20 @@
-// The quantized linear's AMX-INT8 path (Isa::kAmxInt8) for more than a couple of tokens, on
-// activations split into two int8 parts per 32-value block: hi = nearest-even(x / dx) with
-// dx = max |x| / 127 (the VNNI path's rounding, quant_vnni.h), then the remainder's
+// The quantized linear's AMX-INT8 path (Isa::kAmxInt8) for more than a couple of tokens, every
+// format, on activations split into two int8 parts per 32-value block: hi = nearest-even(x / dx)
+// with dx = max |x| / 127 (the VNNI path's rounding, quant_vnni.h), then the remainder's
 // lo = nearest-even((x - hi dx) / dx_lo) with dx_lo = dx / 254, so x = hi dx + lo dx_lo + e
 // with |e| <= dx / 508 = max |x| / 64516: about 15 bits of each block, finer than bfloat16.
-// Each block of up to 16 tokens by 16 weight rows by 32 values takes two tile products (hi and
-// lo), exact in int32, scaled to float by the block's activation and weight scales and summed
-// over the blocks in registers. A weight's block scale changes every 32 values, so a tile
-// product may not run over more than one block.
-// Tiles: A = a group of G tokens' hi or lo bytes of a block (G rows of 32 signed bytes, read in
-// place), B = 16 weight rows' block in the VNNI layout (row r: weight row n's values 4r..4r+3
-// at bytes 4n..4n+3; q8_0 signed bytes, q4_0 / q4_1 nibbles 0..15), prepared per group of 16
-// weight rows in a scratch panel; C = G x 16 int32. The tile products' cost grows with G (their
-// rows), so a few tokens cost little.
+// The weights are read per unit of 32 values (q6_K: 16, its scales' unit) as w = d q + m:
+// signed quants without m where the format has no min (q8_0's int8, q4_0 / q5_0 / q6_K's
+// unsigned quants less their zero), else unsigned quants and the unit's offset m (q4_1 /
+// q5_1's m, q8_m's, q4_K / q5_K's -dmin mn), whose term m sum(x) the activations' sums give.
+// Each unit of up to 16 tokens by 16 weight rows takes two tile products (hi and lo), exact in
+// int32, scaled to float by the unit's activation and weight scales and summed over the units
+// in registers.
+// Tiles: A = a group of G tokens' hi or lo bytes of a unit (G rows, read in place), B = 16
+// weight rows' unit in the VNNI layout (row r: weight row n's values 4r..4r+3 at bytes
+// 4n..4n+3), unpacked per group of 16 weight rows into a scratch panel from the x16 layout
+// (quant_rows16.h; rows in the file's layout are interleaved first); C = G x 16 int32. The tile
+// products' cost grows with G (their rows), so a few tokens cost little.
 #pragma once
 
 #include <immintrin.h>
@@ -23,6 +26,9 @@
 
 #include "orca/cpu/amx_tiles.h"
 #include "orca/cpu/quant_formats.h"
+#include "orca/cpu/quant_rows16.h"
+#include "orca/cpu/quant_vnni.h"
+#include "orca/cpu/quant_vnni_rows16.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")
@@ -30,6 +36,10 @@
 namespace orca::cpu::quant::amx {
 
 constexpr int kTile = 16;  // the most tokens, and the weight rows, of a tile product
+static_assert(kTile == kRowGroup);
+
+// The values of a unit, which one weight scale d (and offset m) covers.
+constexpr int64_t unit_values(Format f) { return f == Format::kQ6_K ? 16 : kBlockSize; }
 
 // The tokens of each group for a call of T tokens: the groups (ceil(T / 16) of them) evenly
 // filled, rounded up to a multiple of 4; the last group is padded with zero tokens.
@@ -41,8 +51,8 @@ constexpr int64_t token_groups(int64_t T) { return (T + group_tokens(T) - 1) / g
 
 // A group of G tokens as the tiles read it, group_bytes(G, K) bytes a group: hi [G, K] and
 // lo [G, K] the two int8 parts, then per token and block [G, K / 32] the scales dx and dx_lo,
-// and corr, the weights' offset term per unit of the weight's d (q4_0: -8 (dx sum hi + dx_lo
-// sum lo)) or m (q4_1: dx sum hi + dx_lo sum lo; q8_0: none). Tokens past T are zero.
+// and corr, the block's sum as rounded (dx sum hi + dx_lo sum lo), which the weights' offsets m
+// multiply (formats with a min; unused otherwise). Tokens past T are zero.
 constexpr int64_t group_bytes(int64_t G, int64_t K) {
   return 2 * G * K + 3 * G * (K / kBlockSize) * static_cast<int64_t>(sizeof(float));
 }
@@ -65,7 +75,7 @@ inline TokenGroup token_group(const uint8_t* x, int64_t G, int64_t K, int64_t g)
 
 // Tokens [0, T) of x [T, K] (K a multiple of 32) split into groups of G tokens from `out` on
 // (T need not fill the last group).
-inline void quantize_activations(Format f, const float* x, int64_t T, int64_t K, int64_t G,
+inline void quantize_activations(const float* x, int64_t T, int64_t K, int64_t G,
                                  uint8_t* out) {
   const int64_t blocks = K / kBlockSize;
   const int64_t groups = (T + G - 1) / G;
@@ -108,27 +118,27 @@ inline void quantize_activations(Format f, const float* x, int64_t T, int64_t K,
                         d_lo * static_cast<float>(_mm512_reduce_add_epi32(sums_lo));
       dx[b] = d;
       dx_lo[b] = d_lo;
-      corr[b] = f == Format::kQ4_0 ? -8.f * sum : f == Format::kQ4_1 ? sum : 0.f;
+      corr[b] = sum;
     }
   }
 }
 
-// The tiles of group_product's pipeline, which keeps two blocks in flight so that a block's
+// The tiles of group_product's pipeline, which keeps two units in flight so that a unit's
 // products are ready when they are scaled: stage s's C tiles 2s (hi) and 2s + 1 (lo), G rows of
-// 16 int32, and its B tile 6 + s (8 rows of 64 bytes); the A tiles 4 (hi) and 5 (lo), G rows of
-// 32 bytes. Loaded at each call: other code on the thread (oneDNN's AMX GEMMs, the attention's
-// tiles) may have configured the tiles otherwise.
-inline void configure_tiles(int64_t G) {
+// 16 int32, and its B tile 6 + s (unit / 4 rows of 64 bytes); the A tiles 4 (hi) and 5 (lo), G
+// rows of `unit` bytes. Loaded at each call: other code on the thread (oneDNN's AMX GEMMs, the
+// attention's tiles) may have configured the tiles otherwise.
+inline void configure_tiles(int64_t G, int64_t unit) {
   cpu::amx::TileConfig config;
   for (int t = 0; t < 4; ++t) {
     config.colsb[t] = 4 * kTile;
     config.rows[t] = static_cast<uint8_t>(G);
   }
   for (int t = 0; t < 2; ++t) {
-    config.colsb[4 + t] = kBlockSize;
+    config.colsb[4 + t] = static_cast<uint16_t>(unit);
     config.rows[4 + t] = static_cast<uint8_t>(G);
     config.colsb[6 + t] = 4 * kTile;
-    config.rows[6 + t] = kBlockSize / 4;
+    config.rows[6 + t] = static_cast<uint8_t>(unit / 4);
   }
   cpu::amx::load_tile_config(config);
 }
@@ -143,7 +153,7 @@ template <int kTmm>
 inline void tile_zero() {
   asm volatile("tilezero %%tmm%c0" ::"i"(kTmm));
 }
-// C += A . B on bytes, A signed (the activations), B signed (q8_0) or unsigned (q4's nibbles).
+// C += A . B on bytes, A signed (the activations), B signed or unsigned (has_min's quants).
 template <bool kSignedB, int kC, int kA, int kB>
 inline void tile_dot() {
   if constexpr (kSignedB) {
@@ -159,116 +169,98 @@ inline void tile_store(int32_t (&c)[kTile * kTile]) {
   asm volatile("tilestored %%tmm%c2, (%1,%3,1)" : "=m"(c) : "r"(c), "i"(kC), "r"(int64_t{64}));
 }
 
-// A group of 16 weight rows as tile B reads them: per block, 8 rows of 64 bytes (b), then each
-// block's d and m as floats (q4_1's m; [block][row]). Rows past the matrix's end are zero.
+// A group of 16 weight rows as tile B reads them: per 32 values, 8 rows of 64 bytes (b), then
+// each unit's d and m as floats ([unit][row]; m for has_min's formats only).
 struct RowGroup {
   const uint8_t* b;
   const float* d;
   const float* m;
 };
 
-// The 4 x 4 transposes, within each 128-bit lane, of z[0..3]: lane j of z[k] holding weight
-// row k + 4j's 4 dwords, out[r] holds dword r of rows 0..15 in order.
-inline void transpose_dwords(const __m512i (&z)[4], __m512i (&out)[4]) {
-  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-  out[0] = _mm512_unpacklo_epi64(t0, t2);
-  out[1] = _mm512_unpackhi_epi64(t0, t2);
-  out[2] = _mm512_unpacklo_epi64(t1, t3);
-  out[3] = _mm512_unpackhi_epi64(t1, t3);
-}
-
-// 16 bytes at byte `offset` of each of the 16 rows' block (rows[n], or zeros where null), as
-// z[k] lane j = row k + 4j.
-inline void load_rows(const uint8_t* const (&rows)[kTile], int64_t offset, __m512i (&z)[4]) {
-  for (int k = 0; k < 4; ++k) {
-    __m512i v = _mm512_setzero_si512();
-    for (int j = 0; j < 4; ++j) {
-      const uint8_t* row = rows[k + 4 * j];
-      if (row == nullptr) continue;
-      v = _mm512_mask_broadcast_i32x4(v, static_cast<__mmask16>(0xF << (4 * j)),
-                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(row +
-                                                                                       offset)));
+// The 8 B rows (quant vectors of 4 values of the 16 rows) of chunk c (values 32c to 32c + 31)
+// of a group block `block` (a K-quant's super-block, c < 8; else c = 0), signed where the
+// format has no min, and the chunk's units' d and m into d[u * kTile ...], m[u * kTile ...].
+template <Format F, int c>
+inline void unpack_chunk(const uint8_t* block, __m512i (&b)[8], float* d, float* m) {
+  if constexpr (is_k_quant(F)) {
+    vnni::k_chunk_quants<F, c>(block, b);
+    __m512 scale[2], min;
+    vnni::k_chunk_scales<F, c>(block, scale, min);
+    _mm512_storeu_ps(d, scale[0]);
+    if constexpr (F == Format::kQ6_K) _mm512_storeu_ps(d + kTile, scale[1]);
+    if constexpr (vnni::has_min(F)) _mm512_storeu_ps(m, _mm512_sub_ps(_mm512_setzero_ps(), min));
+  } else {
+    const __m512i high_bits = vnni::block_high_bits<F>(block);
+    constexpr bool kFourBit = rows16::fields(F).field[rows16::fields(F).count - 1].bytes == 16;
+    vnni::unrolled<kFourBit ? 4 : 8>([&]<int v>() {
+      __m512i second;
+      vnni::block_quants<F, v>(block, high_bits, b[v], second);
+      if constexpr (kFourBit) b[4 + v] = second;
+    });
+    _mm512_storeu_ps(d, vnni::load_halves(block));
+    if constexpr (vnni::has_min(F)) {
+      _mm512_storeu_ps(m, vnni::load_halves(block + rows16::group_at(F, 1)));
     }
-    z[k] = v;
+  }
+  if constexpr (!vnni::has_min(F)) {
+    const __m512i zero = _mm512_set1_epi8(static_cast<char>(vnni::quant_zero(F)));
+    for (auto& row : b) row = _mm512_sub_epi8(row, zero);
   }
 }
 
-// The group of 16 weight rows from w (`rows` of them real, the others zero) laid out in scratch.
+// The group of 16 weight rows `group` (the x16 layout's, K values each) laid out in scratch.
 template <Format F>
-inline RowGroup prepare_rows(const uint8_t* w, int64_t K, int64_t rows,
-                             std::vector<uint8_t>& scratch) {
-  const int64_t blocks = K / kBlockSize, row_bytes = blocks * block_bytes(F);
-  const int64_t panel_bytes = blocks * kBlockSize * kTile;
-  const int64_t scale_bytes = 2 * blocks * kTile * static_cast<int64_t>(sizeof(float));
+inline RowGroup prepare_rows(const uint8_t* group, int64_t K, std::vector<uint8_t>& scratch) {
+  constexpr int kChunks = static_cast<int>(weights_per_block(F) / kBlockSize);  // per block
+  constexpr int64_t kUnitsPerChunk = kBlockSize / unit_values(F);
+  const int64_t chunks = K / kBlockSize, units = K / unit_values(F);
+  const int64_t panel_bytes = chunks * kBlockSize * kTile;
+  const int64_t scale_bytes = 2 * units * kTile * static_cast<int64_t>(sizeof(float));
   if (static_cast<int64_t>(scratch.size()) < panel_bytes + scale_bytes) {
     scratch.resize(panel_bytes + scale_bytes);
   }
   uint8_t* panel = scratch.data();
   auto* d = reinterpret_cast<float*>(scratch.data() + panel_bytes);
-  float* m = d + blocks * kTile;
-  // Each row's d (and q4_1's m) gathered for the 16 rows: the first 4 bytes of each block.
-  const auto live = static_cast<__mmask16>((1u << rows) - 1);
-  const __m512i offsets = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
-  const __m512i nibble = _mm512_set1_epi8(15);
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = w + b * block_bytes(F);
-    const __m512i heads =
-        _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offsets, block, 1);
-    _mm512_storeu_ps(d + b * kTile, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(heads)));
-    _mm512_storeu_ps(m + b * kTile,
-                     _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(heads, 16))));
-    const uint8_t* quants[kTile];
-    for (int n = 0; n < kTile; ++n) {
-      quants[n] = n < rows ? block + n * row_bytes + quants_offset(F) : nullptr;
-    }
-    auto* out = reinterpret_cast<__m512i*>(panel + b * kBlockSize * kTile);
-    __m512i z[4], dwords[4];
-    load_rows(quants, 0, z);
-    transpose_dwords(z, dwords);
-    if constexpr (F == Format::kQ8_0) {
-      // Bytes 0-15 give B rows 0-3, bytes 16-31 rows 4-7.
-      for (int r = 0; r < 4; ++r) _mm512_storeu_si512(out + r, dwords[r]);
-      load_rows(quants, 16, z);
-      transpose_dwords(z, dwords);
-      for (int r = 0; r < 4; ++r) _mm512_storeu_si512(out + 4 + r, dwords[r]);
-    } else {
-      // Values 0-15 are the low nibbles of qs[0..15] (B rows 0-3), 16-31 the high ones (4-7).
-      for (int r = 0; r < 4; ++r) {
-        _mm512_storeu_si512(out + r, _mm512_and_si512(dwords[r], nibble));
-        _mm512_storeu_si512(out + 4 + r,
-                            _mm512_and_si512(_mm512_srli_epi16(dwords[r], 4), nibble));
-      }
-    }
+  float* m = d + units * kTile;
+  for (int64_t blk = 0; blk < K / weights_per_block(F); ++blk) {
+    const uint8_t* block = group + blk * kRowGroup * block_bytes(F);
+    vnni::unrolled<kChunks>([&]<int c>() {
+      const int64_t chunk = blk * kChunks + c, unit = chunk * kUnitsPerChunk;
+      __m512i b[8];
+      unpack_chunk<F, c>(block, b, d + unit * kTile, m + unit * kTile);
+      auto* out = reinterpret_cast<__m512i*>(panel + chunk * kBlockSize * kTile);
+      for (int r = 0; r < 8; ++r) _mm512_storeu_si512(out + r, b[r]);
+    });
   }
   // The tiles' loads name no memory: the panel is stored before any tile reads it.
   asm volatile("" ::: "memory");
   return {panel, d, m};
 }
 
-// Block b's hi and lo products into stage kStage's C tiles.
+// Unit u's hi and lo products into stage kStage's C tiles.
 template <Format F, int kStage>
-inline void block_product(const RowGroup& w, const TokenGroup& x, int64_t K, int64_t b) {
+inline void unit_product(const RowGroup& w, const TokenGroup& x, int64_t K, int64_t u) {
   constexpr int kHi = 2 * kStage, kLo = 2 * kStage + 1, kB = 6 + kStage;
-  constexpr bool kSigned = F == Format::kQ8_0;
-  tile_load<kB>(w.b + b * kBlockSize * kTile, 4 * kTile);
-  tile_load<4>(x.hi + b * kBlockSize, K);
+  constexpr bool kSigned = !vnni::has_min(F);
+  constexpr int64_t kUnit = unit_values(F);
+  tile_load<kB>(w.b + u * kUnit * kTile, 4 * kTile);
+  tile_load<4>(x.hi + u * kUnit, K);
   tile_zero<kHi>();
   tile_dot<kSigned, kHi, 4, kB>();
-  tile_load<5>(x.lo + b * kBlockSize, K);
+  tile_load<5>(x.lo + u * kUnit, K);
   tile_zero<kLo>();
   tile_dot<kSigned, kLo, 5, kB>();
 }
 
-// acc[t] (16 weight rows' lanes) += block b's scaled products, read from c (hi and lo, kG x
+// acc[t] (16 weight rows' lanes) += unit u's scaled products, read from c (hi and lo, kG x
 // 16 int32 each).
 template <Format F, int kG>
-inline void scale_block(const RowGroup& w, const TokenGroup& x, int64_t blocks, int64_t b,
-                        const int32_t (&c)[2][kTile * kTile], __m512 (&acc)[kTile]) {
-  const __m512 d = _mm512_loadu_ps(w.d + b * kTile);
-  const __m512 m = _mm512_loadu_ps(w.m + b * kTile);
+inline void scale_unit(const RowGroup& w, const TokenGroup& x, int64_t K, int64_t u,
+                       const int32_t (&c)[2][kTile * kTile], __m512 (&acc)[kTile]) {
+  const int64_t blocks = K / kBlockSize, b = u * unit_values(F) / kBlockSize;
+  const __m512 d = _mm512_loadu_ps(w.d + u * kTile);
+  __m512 m;
+  if constexpr (vnni::has_min(F)) m = _mm512_loadu_ps(w.m + u * kTile);
 #pragma GCC unroll 16
   for (int t = 0; t < kG; ++t) {
     const int64_t i = t * blocks + b;
@@ -276,48 +268,42 @@ inline void scale_block(const RowGroup& w, const TokenGroup& x, int64_t blocks, 
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_loadu_si512(c[1] + t * kTile));
     const __m512 products = _mm512_fmadd_ps(lo, _mm512_set1_ps(x.dx_lo[i]),
                                             _mm512_mul_ps(hi, _mm512_set1_ps(x.dx[i])));
-    const __m512 corr = _mm512_set1_ps(x.corr[i]);
-    if constexpr (F == Format::kQ4_0) {
-      // d (x . nibbles - 8 sum x): the nibbles' offset of 8 taken back per token.
-      acc[t] = _mm512_fmadd_ps(_mm512_add_ps(products, corr), d, acc[t]);
-    } else {
-      acc[t] = _mm512_fmadd_ps(products, d, acc[t]);
-      if constexpr (F == Format::kQ4_1) acc[t] = _mm512_fmadd_ps(m, corr, acc[t]);
-    }
+    acc[t] = _mm512_fmadd_ps(products, d, acc[t]);
+    if constexpr (vnni::has_min(F)) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.corr[i]), acc[t]);
   }
 }
 
-// Stage kStage of group_product's pipeline at block b: block b + 1's products issued (into the
-// C tiles block b - 1 freed), block b's stored, and block b - 1's, stored a step ago, scaled
+// Stage kStage of group_product's pipeline at unit u: unit u + 1's products issued (into the
+// C tiles unit u - 1 freed), unit u's stored, and unit u - 1's, stored a step ago, scaled
 // into acc (scaling the products just stored would wait for the stores to land).
 template <Format F, int kG, int kStage>
-inline void pipeline_step(const RowGroup& w, const TokenGroup& x, int64_t K, int64_t b,
+inline void pipeline_step(const RowGroup& w, const TokenGroup& x, int64_t K, int64_t u,
                           int32_t (&c)[2][2][kTile * kTile], __m512 (&acc)[kTile]) {
-  const int64_t blocks = K / kBlockSize;
-  if (b + 1 < blocks) block_product<F, 1 - kStage>(w, x, K, b + 1);
+  const int64_t units = K / unit_values(F);
+  if (u + 1 < units) unit_product<F, 1 - kStage>(w, x, K, u + 1);
   tile_store<2 * kStage>(c[kStage][0]);
   tile_store<2 * kStage + 1>(c[kStage][1]);
-  if (b > 0) scale_block<F, kG>(w, x, blocks, b - 1, c[1 - kStage], acc);
+  if (u > 0) scale_unit<F, kG>(w, x, K, u - 1, c[1 - kStage], acc);
 }
 
 // y[t * y_stride + n] = x[t] . W[n] for the group's tokens (< tokens) and rows (< rows), over
-// all blocks (at least one).
+// all units (at least one).
 template <Format F, int kG>
 inline void group_product(const RowGroup& w, const TokenGroup& x, int64_t K, int64_t rows,
                           int64_t tokens, float* y, int64_t y_stride) {
-  const int64_t blocks = K / kBlockSize;
+  const int64_t units = K / unit_values(F);
   alignas(64) int32_t c[2][2][kTile * kTile];
   __m512 acc[kTile];
   // Unrolled before the loop passes could turn it into a memset, which keeps acc in memory.
 #pragma GCC unroll 16
   for (auto& a : acc) a = _mm512_setzero_ps();
-  block_product<F, 0>(w, x, K, 0);
-  for (int64_t b = 0; b < blocks; b += 2) {
-    pipeline_step<F, kG, 0>(w, x, K, b, c, acc);
-    if (b + 1 >= blocks) break;
-    pipeline_step<F, kG, 1>(w, x, K, b + 1, c, acc);
+  unit_product<F, 0>(w, x, K, 0);
+  for (int64_t u = 0; u < units; u += 2) {
+    pipeline_step<F, kG, 0>(w, x, K, u, c, acc);
+    if (u + 1 >= units) break;
+    pipeline_step<F, kG, 1>(w, x, K, u + 1, c, acc);
   }
-  scale_block<F, kG>(w, x, blocks, blocks - 1, c[(blocks - 1) % 2], acc);
+  scale_unit<F, kG>(w, x, K, units - 1, c[(units - 1) % 2], acc);
   const auto live = static_cast<__mmask16>((1u << rows) - 1);
 #pragma GCC unroll 16
   for (int t = 0; t < kG; ++t) {
@@ -325,23 +311,47 @@ inline void group_product(const RowGroup& w, const TokenGroup& x, int64_t K, int
   }
 }
 
-// `rows` rows of w against the T tokens of x (quantize_activations' groups of
-// group_tokens(T)): y[t * y_stride + n] = x[t] . W[n].
+// The group of 16 rows from n0 of w in the x16 layout: w's own (rows16), or w's rows n0 to
+// n0 + 15 (those past `rows` zero) interleaved into scratch.
 template <Format F>
-void dot_rows(const uint8_t* x, int64_t T, int64_t K, const uint8_t* w, int64_t rows,
-              float* y, int64_t y_stride) {
-  thread_local std::vector<uint8_t> scratch;
-  const int64_t blocks = K / kBlockSize, row_bytes = blocks * block_bytes(F);
-  if (blocks == 0) {
+inline const uint8_t* row_group(const uint8_t* w, bool rows16, int64_t K, int64_t n0,
+                                int64_t rows, std::vector<uint8_t>& scratch) {
+  const int64_t row = row_bytes(F, K);
+  if (rows16) return w + n0 * row;
+  const int64_t live = std::min<int64_t>(kRowGroup, rows - n0);
+  scratch.resize(2 * kRowGroup * row);
+  const uint8_t* rows_in = w + n0 * row;
+  if (live < kRowGroup) {
+    // A last group short of 16 rows, padded with zero blocks (zero scales).
+    std::memcpy(scratch.data(), rows_in, live * row);
+    std::memset(scratch.data() + live * row, 0, (kRowGroup - live) * row);
+    rows_in = scratch.data();
+  }
+  uint8_t* group = scratch.data() + kRowGroup * row;
+  for (int64_t blk = 0; blk < K / weights_per_block(F); ++blk) {
+    rows16::convert_block<F, true>(rows_in + blk * block_bytes(F),
+                                   group + blk * kRowGroup * block_bytes(F), row);
+  }
+  return group;
+}
+
+// `rows` rows of w (the x16 layout's if rows16: rows a multiple of 16) against the T tokens of
+// x (quantize_activations' groups of group_tokens(T)): y[t * y_stride + n] = x[t] . W[n].
+template <Format F>
+void dot_rows(const uint8_t* x, int64_t T, int64_t K, const uint8_t* w, bool rows16,
+              int64_t rows, float* y, int64_t y_stride) {
+  thread_local std::vector<uint8_t> scratch, interleaved;
+  if (K == 0) {
     for (int64_t t = 0; t < T; ++t) std::fill_n(y + t * y_stride, rows, 0.f);
     return;
   }
   const int64_t G = group_tokens(T);
   const auto run = [&]<int kG>() {
-    configure_tiles(kG);
+    configure_tiles(kG, unit_values(F));
     for (int64_t n0 = 0; n0 < rows; n0 += kTile) {
       const int64_t group_rows = std::min<int64_t>(kTile, rows - n0);
-      const RowGroup wg = prepare_rows<F>(w + n0 * row_bytes, K, group_rows, scratch);
+      const RowGroup wg =
+          prepare_rows<F>(row_group<F>(w, rows16, K, n0, rows, interleaved), K, scratch);
       for (int64_t t0 = 0, g = 0; t0 < T; t0 += kG, ++g) {
         group_product<F, kG>(wg, token_group(x, kG, K, g), K, group_rows,
                              std::min<int64_t>(kG, T - t0), y + t0 * y_stride + n0, y_stride);

@@ -38,7 +38,7 @@ inline __m256i shifted_bytes(const uint8_t* p, int shift, char mask) {
 // chunk_quants' 32 quants of chunk c of a row as bytes (also used by the AVX-512 path).
 template <Format F>
 inline __m256i chunk_quant_bytes(const uint8_t* row, int64_t c) {
-  static_assert(!has_tile_kernels(F));
+  static_assert(!has_own_dequant(F));
   if constexpr (F == Format::kQ8_M) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * block_bytes(F) + 4));
   } else if constexpr (F == Format::kQ5_0 || F == Format::kQ5_1) {
@@ -98,7 +98,7 @@ struct Vec {
   // Chunk c (32 weights) of a row of F's blocks.
   template <Format F>
   static void dequant(const uint8_t* row, int64_t c, V (&w)[4]) {
-    if constexpr (has_tile_kernels(F)) {
+    if constexpr (has_own_dequant(F)) {
       const uint8_t* block = row + c * block_bytes(F);
       const V d = broadcast_half(block);
       const uint8_t* qs = block + quants_offset(F);

@@ -50,7 +50,7 @@ struct Vec {
   // Chunk c (32 weights) of a row of F's blocks.
   template <Format F>
   static void dequant(const uint8_t* row, int64_t c, V (&w)[2]) {
-    if constexpr (has_tile_kernels(F)) {
+    if constexpr (has_own_dequant(F)) {
       const uint8_t* block = row + c * block_bytes(F);
       const V d = broadcast_half(block);
       const uint8_t* qs = block + quants_offset(F);

@@ -67,37 +67,27 @@ constexpr int64_t row_bytes(Format f, int64_t K) {
   return K / weights_per_block(f) * block_bytes(f);
 }
 
-// Whether the format's blocks are dequantized by their own code (q8_0, q4_0, q4_1), which
-// amx_int8's tile kernels also read; the others are read as unsigned quants times a scale plus
-// an offset (chunk_scale, chunk_quants). avx512_vnni's int8 kernels read every format.
-constexpr bool has_tile_kernels(Format f) {
+// Whether the format's blocks are dequantized by their own code (q8_0, q4_0, q4_1); the others
+// are read as unsigned quants times a scale plus an offset (chunk_scale, chunk_quants).
+constexpr bool has_own_dequant(Format f) {
   return f == Format::kQ8_0 || f == Format::kQ4_0 || f == Format::kQ4_1;
-}
-
-// f.template operator()<F>() for a format the tile kernels read (has_tile_kernels); their
-// callers route the others to the float kernels (quant_blocks.h's int8_path).
-template <typename Fn>
-void dispatch_tile_format(Format format, const Fn& f) {
-  switch (format) {
-    case Format::kQ8_0: return f.template operator()<Format::kQ8_0>();
-    case Format::kQ4_0: return f.template operator()<Format::kQ4_0>();
-    case Format::kQ4_1: return f.template operator()<Format::kQ4_1>();
-    default: std::abort();
-  }
 }
 
 // f.template operator()<F>() for the format.
 template <typename Fn>
 void dispatch_format(Format format, const Fn& f) {
   switch (format) {
+    case Format::kQ8_0: return f.template operator()<Format::kQ8_0>();
+    case Format::kQ4_0: return f.template operator()<Format::kQ4_0>();
+    case Format::kQ4_1: return f.template operator()<Format::kQ4_1>();
     case Format::kQ5_0: return f.template operator()<Format::kQ5_0>();
     case Format::kQ5_1: return f.template operator()<Format::kQ5_1>();
     case Format::kQ8_M: return f.template operator()<Format::kQ8_M>();
     case Format::kQ4_K: return f.template operator()<Format::kQ4_K>();
     case Format::kQ5_K: return f.template operator()<Format::kQ5_K>();
     case Format::kQ6_K: return f.template operator()<Format::kQ6_K>();
-    default: return dispatch_tile_format(format, f);
   }
+  std::abort();
 }
 
 // The first byte of a q8_0 / q4_0 / q4_1 block's quants (after d, and m for q4_1).
@@ -153,7 +143,7 @@ struct ChunkScale {
 // after q * scale (exact) gives gguf's values.
 template <Format F, typename HalfToFloat>
 inline ChunkScale chunk_scale(const uint8_t* row, int64_t c, const HalfToFloat& half) {
-  static_assert(!has_tile_kernels(F));
+  static_assert(!has_own_dequant(F));
   if constexpr (F == Format::kQ5_0 || F == Format::kQ5_1 || F == Format::kQ8_M) {
     const uint8_t* block = row + c * block_bytes(F);
     const float d = half(load_u16(block));
@@ -198,7 +188,7 @@ inline Q5Quants q5_quants(const uint8_t* block) {
 // at a time (the vector paths build them 32 at once from the same bytes).
 template <Format F>
 inline void chunk_quants(const uint8_t* row, int64_t c, uint8_t (&q)[kBlockSize]) {
-  static_assert(!has_tile_kernels(F));
+  static_assert(!has_own_dequant(F));
   if constexpr (F == Format::kQ8_M) {
     for (int j = 0; j < kBlockSize; ++j) q[j] = row[c * block_bytes(F) + 4 + j];
   } else if constexpr (F == Format::kQ5_0 || F == Format::kQ5_1) {

@@ -39,8 +39,7 @@ void dot_rows(Isa isa, Format format, const float* x, int64_t T, int64_t K, cons
 
 // kAvx512Vnni's dot kernels: the bytes of T tokens of K values rounded to int8 blocks, x as
 // rounded (K a multiple of 32), and dot_rows on them (T from 1 to kMaxDotTokens; token t of
-// x_int8 starts int8_activation_bytes(t, K) bytes in), for every format. The tile kernels below
-// take only the formats with has_tile_kernels.
+// x_int8 starts int8_activation_bytes(t, K) bytes in), for every format.
 int64_t int8_activation_bytes(int64_t T, int64_t K);
 void quantize_activations(Format format, const float* x, int64_t T, int64_t K, void* x_int8);
 void dot_rows_int8(Format format, const void* x_int8, int64_t T, int64_t K, const uint8_t* w,
@@ -54,13 +53,13 @@ void dot_rows16_int8(Format format, const void* x_int8, int64_t T, int64_t K, co
 // amx_group_tokens(T) tokens (4 to 16) laid out as the tiles read them. The bytes of T tokens;
 // the first T tokens of x [T, K] (K a multiple of 32) split into groups of G
 // (amx_activation_bytes(G, K) bytes each, the last one padded); all T tokens' dot products
-// against `rows` rows of w on the groups of amx_group_tokens(T).
+// against `rows` rows of w (in the x16 layout if rows16: rows a multiple of kRowGroup) on the
+// groups of amx_group_tokens(T), for every format.
 int64_t amx_group_tokens(int64_t T);
 int64_t amx_activation_bytes(int64_t T, int64_t K);
-void quantize_activations_amx(Format format, const float* x, int64_t T, int64_t K, int64_t G,
-                              void* x_amx);
+void quantize_activations_amx(const float* x, int64_t T, int64_t K, int64_t G, void* x_amx);
 void dot_rows_amx(Format format, const void* x_amx, int64_t T, int64_t K, const uint8_t* w,
-                  int64_t rows, float* y, int64_t y_stride);
+                  bool rows16, int64_t rows, float* y, int64_t y_stride);
 
 // kAvx512Vnni's GEMM for more tokens (quant_int16.h): x [T, K] rounded to int16 per block in
 // int16_tiles(T) tiles of 16 tokens (int16_activation_bytes(T, K) bytes; tiles [begin, end) per

@@ -27,7 +27,7 @@ struct Vec {
   // Chunk c (32 weights) of a row of F's blocks.
   template <Format F>
   static void dequant(const uint8_t* row, int64_t c, V (&w)[kBlockSize]) {
-    if constexpr (has_tile_kernels(F)) {
+    if constexpr (has_own_dequant(F)) {
       const uint8_t* block = row + c * block_bytes(F);
       const float d = half_to_float(load_u16(block));
       const uint8_t* qs = block + quants_offset(F);

@@ -52,6 +52,38 @@ inline void unrolled(const Fn& f) {
   }(std::make_integer_sequence<int, kCount>());
 }
 
+// Quant vector v of a 32-weight format's block of 16 rows as unsigned quants (q8_0's int8 + 128):
+// `first` holds weights 4v to 4v + 3 of each row; the four-bit formats' `second` weights
+// 16 + 4v to 16 + 4v + 3 (q5_0 / q5_1's fifth bits from the rearranged qh, `high_bits`).
+template <Format F, int v>
+inline void block_quants(const uint8_t* block, __m512i high_bits, __m512i& first,
+                         __m512i& second) {
+  constexpr int kQuantField = rows16::fields(F).count - 1;
+  const __m512i raw = _mm512_loadu_si512(block + rows16::group_at(F, kQuantField) + 64 * v);
+  if constexpr (rows16::fields(F).field[kQuantField].bytes == 16) {
+    const __m512i low = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
+    first = _mm512_and_si512(raw, low);
+    second = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    if constexpr (rows16::has_high_bits(F)) {
+      first = _mm512_or_si512(first, _mm512_and_si512(_mm512_slli_epi32(high_bits, 4 - v), fifth));
+      second = _mm512_or_si512(second, _mm512_and_si512(_mm512_srli_epi32(high_bits, v), fifth));
+    }
+  } else if constexpr (F == Format::kQ8_0) {
+    first = _mm512_xor_si512(raw, _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    first = raw;
+  }
+}
+
+// A 32-weight format's block of 16 rows: q5_0 / q5_1's rearranged qh (zero for the others).
+template <Format F>
+inline __m512i block_high_bits(const uint8_t* block) {
+  if constexpr (rows16::has_high_bits(F)) {
+    return _mm512_loadu_si512(block + rows16::group_at(F, rows16::high_bits_field(F)));
+  }
+  return _mm512_setzero_si512();
+}
+
 // The 32-weight formats: the kRowGroup rows of group `w` against kT tokens' block pairs x:
 // y[t * y_stride + r].
 template <Format F, int kT>
@@ -63,7 +95,6 @@ inline void dot_group(const BlockPair* x, int64_t K, const uint8_t* w, float* y,
   constexpr bool kFourBit = kQuantVectors == 4;
   constexpr bool kMin = has_min(F);
   const int64_t blocks = K / kBlockSize, pairs = (blocks + 1) / 2;
-  const __m512i low = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
   __m512 acc[kT];
   for (auto& a : acc) a = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -75,28 +106,10 @@ inline void dot_group(const BlockPair* x, int64_t K, const uint8_t* w, float* y,
     for (int t = 0; t < kT; ++t) {
       hi[t][0] = hi[t][1] = lo[t][0] = lo[t][1] = _mm512_setzero_si512();
     }
-    __m512i high_bits;
-    if constexpr (rows16::has_high_bits(F)) {
-      high_bits = _mm512_loadu_si512(block + rows16::group_at(F, rows16::high_bits_field(F)));
-    }
+    const __m512i high_bits = block_high_bits<F>(block);
     unrolled<kQuantVectors>([&]<int v>() {
-      const __m512i raw =
-          _mm512_loadu_si512(block + rows16::group_at(F, kQuantField) + 64 * v);
       __m512i first, second;  // kFourBit: the low and high nibbles' quants
-      if constexpr (kFourBit) {
-        first = _mm512_and_si512(raw, low);
-        second = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-        if constexpr (rows16::has_high_bits(F)) {
-          first = _mm512_or_si512(
-              first, _mm512_and_si512(_mm512_slli_epi32(high_bits, 4 - v), fifth));
-          second = _mm512_or_si512(
-              second, _mm512_and_si512(_mm512_srli_epi32(high_bits, v), fifth));
-        }
-      } else if constexpr (F == Format::kQ8_0) {
-        first = _mm512_xor_si512(raw, _mm512_set1_epi8(static_cast<char>(0x80)));
-      } else {
-        first = raw;
-      }
+      block_quants<F, v>(block, high_bits, first, second);
 #pragma GCC unroll 8
       for (int t = 0; t < kT; ++t) {
         const BlockPair& xp = x[t * pairs + b / 2];
@@ -174,6 +187,40 @@ inline __m512i lane_bits(__m512i v) {
   return _mm512_and_si512(_mm512_srli_epi32(v, at), _mm512_set1_epi32((1 << bits) - 1));
 }
 
+// Chunk c's scales of a K-quant super-block of 16 rows `sb`, per half of 16 weights: q6_K's d
+// scale, q4_K / q5_K's d sc (both halves) with their dmin mn in `min` (get_scale_min_k4's
+// fields; every product exact in float32).
+template <Format F, int c>
+inline void k_chunk_scales(const uint8_t* sb, __m512 (&scale)[2], __m512& min) {
+  using rows16::group_at;
+  const __m512 d = load_halves(sb + group_at(F, 0));
+  if constexpr (F == Format::kQ6_K) {
+    const __m512i scales = _mm512_loadu_si512(sb + group_at(F, 1) + 64 * (c / 2));
+    unrolled<2>([&]<int half>() {
+      constexpr int kByte = 2 * (c % 2) + half;
+      const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(scales, 24 - 8 * kByte), 24);
+      scale[half] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+    });
+    min = _mm512_setzero_ps();
+  } else {
+    // The 12 bytes of six-bit scales and mins, as 3 dwords.
+    const auto packed = [&](int i) { return _mm512_loadu_si512(sb + group_at(F, 2) + 64 * i); };
+    __m512i sc, mn;
+    if constexpr (c < 4) {
+      sc = lane_bits<8 * c, 6>(packed(0));
+      mn = lane_bits<8 * c, 6>(packed(1));
+    } else {
+      constexpr int kAt = 8 * (c - 4);
+      sc = _mm512_or_si512(lane_bits<kAt, 4>(packed(2)),
+                           _mm512_slli_epi32(lane_bits<kAt + 6, 2>(packed(0)), 4));
+      mn = _mm512_or_si512(lane_bits<kAt + 4, 4>(packed(2)),
+                           _mm512_slli_epi32(lane_bits<kAt + 6, 2>(packed(1)), 4));
+    }
+    scale[0] = scale[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+    min = _mm512_mul_ps(load_halves(sb + group_at(F, 1)), _mm512_cvtepi32_ps(mn));
+  }
+}
+
 // The K-quants: the kRowGroup rows of group `w` against kT tokens' block pairs x, a chunk of
 // 32 weights (a pair's block) at a time.
 template <Format F, int kT>
@@ -187,41 +234,11 @@ inline void dot_group_k(const BlockPair* x, int64_t K, const uint8_t* w, float* 
   for (int64_t b = 0; b < super_blocks; ++b) {
     const uint8_t* sb = w + b * kGroupBlock;
     for (int64_t line = 0; line < kGroupBlock; line += 64) prefetch_weights_ahead(sb + line);
-    const __m512 d = load_halves(sb + group_at(F, 0));
-    __m512 dmin;
-    __m512i packed[3];  // q4_K / q5_K: the 12 bytes of six-bit scales and mins, as 3 dwords
-    if constexpr (F != Format::kQ6_K) {
-      dmin = load_halves(sb + group_at(F, 1));
-      for (int i = 0; i < 3; ++i) packed[i] = _mm512_loadu_si512(sb + group_at(F, 2) + 64 * i);
-    }
     unrolled<8>([&]<int c>() {
       __m512i q[8];
       k_chunk_quants<F, c>(sb, q);
-      // Each chunk's two halves of 16 weights: q6_K's scales, q4_K / q5_K's d sc and dmin mn
-      // (get_scale_min_k4's fields; every product exact in float32).
-      __m512 scale[2], min = _mm512_setzero_ps();
-      if constexpr (F == Format::kQ6_K) {
-        const __m512i scales = _mm512_loadu_si512(sb + group_at(F, 1) + 64 * (c / 2));
-        unrolled<2>([&]<int half>() {
-          constexpr int kByte = 2 * (c % 2) + half;
-          const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(scales, 24 - 8 * kByte), 24);
-          scale[half] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-        });
-      } else {
-        __m512i sc, mn;
-        if constexpr (c < 4) {
-          sc = lane_bits<8 * c, 6>(packed[0]);
-          mn = lane_bits<8 * c, 6>(packed[1]);
-        } else {
-          constexpr int kAt = 8 * (c - 4);
-          sc = _mm512_or_si512(lane_bits<kAt, 4>(packed[2]),
-                               _mm512_slli_epi32(lane_bits<kAt + 6, 2>(packed[0]), 4));
-          mn = _mm512_or_si512(lane_bits<kAt + 4, 4>(packed[2]),
-                               _mm512_slli_epi32(lane_bits<kAt + 6, 2>(packed[1]), 4));
-        }
-        scale[0] = scale[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-        min = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn));
-      }
+      __m512 scale[2], min;
+      k_chunk_scales<F, c>(sb, scale, min);
       constexpr int s = c % 2;
 #pragma GCC unroll 8
       for (int t = 0; t < kT; ++t) {
