@@ -43,6 +43,9 @@ constexpr int64_t kDotMaxTInt16 = cpu::quant::kMaxDotTokens;
 // The most tokens kAmxInt8's tile kernels take for bfloat16 x, where the panels' bfloat16 GEMM
 // (AMX in oneDNN) overtakes them; float32 x's GEMM never does.
 constexpr int64_t kAmxMaxTBf16 = 64;
+// The tokens of one pass of kAmxInt8's tile kernels over all weight rows: their activations
+// (2 bytes a value) stay in L2 while each group of weight rows reads them.
+constexpr int64_t kAmxChunkT = 256;
 constexpr int64_t kPanelBytes = 1024 * 1024;  // per thread: a dequantized panel, half an L2
 
 // The formats by name: ggml's type names, and orca's q8_m.
@@ -297,24 +300,33 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
     if (T <= dot_max_t) {
       const at::Tensor x_float = x.to(at::kFloat).contiguous();
       const float* xf = x_float.data_ptr<float>();
+      const int64_t chunk = path == Int8Path::kAmx ? kAmxChunkT : T;
       const at::Tensor x_int8 =
-          at::empty({int8_bytes(path, T, K)}, x.options().dtype(at::kByte));
+          at::empty({int8_bytes(path, std::min(T, chunk), K)}, x.options().dtype(at::kByte));
       uint8_t* x_int8_ptr = x_int8.data_ptr<uint8_t>();
-      if (path == Int8Path::kAmx) {
-        // Each group of G tokens is its own slice of the tiles' layout: rounded in parallel.
-        const int64_t G = cpu::quant::amx_group_tokens(T);
-        const int64_t group_bytes = cpu::quant::amx_activation_bytes(G, K);
-        at::parallel_for(0, ceil_div(T, G), 1, [&](int64_t begin, int64_t end) {
-          for (int64_t g = begin; g < end; ++g) {
-            cpu::quant::quantize_activations_amx(xf + g * G * K, std::min(G, T - g * G), K, G,
-                                                 x_int8_ptr + g * group_bytes);
-          }
-        });
-      } else {
-        quantize_for(path, fmt, xf, T, K, x_int8_ptr);
+      scalar_t* out_ptr = out.data_ptr<scalar_t>();
+      for (int64_t t0 = 0; t0 < T; t0 += chunk) {
+        const int64_t tokens = std::min(chunk, T - t0);
+        const float* x_chunk = xf + t0 * K;
+        if (path == Int8Path::kAmx) {
+          // Each group of G tokens is its own slice of the tiles' layout: rounded in parallel.
+          const int64_t G = cpu::quant::amx_group_tokens(tokens);
+          const int64_t group_bytes = cpu::quant::amx_activation_bytes(G, K);
+          at::parallel_for(0, ceil_div(tokens, G), 1, [&](int64_t begin, int64_t end) {
+            for (int64_t g = begin; g < end; ++g) {
+              cpu::quant::quantize_activations_amx(x_chunk + g * G * K,
+                                                   std::min(G, tokens - g * G), K, G,
+                                                   x_int8_ptr + g * group_bytes);
+            }
+          });
+        } else {
+          quantize_for(path, fmt, x_chunk, tokens, K, x_int8_ptr);
+        }
+        dot_linear<scalar_t, a>(isa, layout, x_chunk, path, x_int8_ptr, tokens, K, w, bias_ptr,
+                                res_ptr ? res_ptr + t0 * n_out : nullptr, out_ptr + t0 * n_out,
+                                n_out);
       }
-      return dot_linear<scalar_t, a>(isa, layout, xf, path, x_int8_ptr, T, K, w, bias_ptr,
-                                     res_ptr, out.data_ptr<scalar_t>(), n_out);
+      return;
     }
     if constexpr (kFloat) {
       if (int16_gemm) return int16_linear<a>(layout, x, w, bias_ptr, res_ptr, out);
