@@ -120,6 +120,10 @@ LOAD_CHILDREN = {
 import json, os, sys, time
 import gguf, tokenizers, torch  # imported before the clock starts, as orca_ext is
 from orca_ext import LLM, SamplingParams
+# The modules LLM(file) imports on first use: the target excludes Python imports.
+import orca_ext.build, orca_ext.distributed.executor, orca_ext.kv.cache, orca_ext.model.loader
+import orca_ext.model.gguf_reader, orca_ext.model.gguf_tokenizer, orca_ext.runner.model_runner
+import orca_ext.sampling
 torch.set_num_threads(int(sys.argv[2]))
 resident, start = {_RESIDENT}, time.perf_counter()
 llm = LLM(sys.argv[1], max_batch_size=1, kv_cache_tokens=64)
