@@ -435,7 +435,8 @@ def test_forced_isa_errors():
 
 
 # --------------------------------------------------------------------------- the x16 layout
-ROWS16_INT8_MAX_T = 24  # up to this many tokens the x16 layout's int8 kernels take them
+# Up to this many tokens the x16 layout's int8 kernels take them (amx_int8: then its tiles).
+ROWS16_INT8_MAX_T = {"avx512_vnni": 24, "amx_int8": 8}
 # Each format's block fields (first byte, bytes) in the x16 layout's order, as
 # csrc/include/orca/cpu/quant_rows16.h describes them (q6_K's d and scales first).
 ROWS16_FIELDS = {"q8_0": [(0, 2), (2, 32)], "q4_0": [(0, 2), (2, 16)],
@@ -491,13 +492,14 @@ def test_rows16_layout(fmt, shape):
 
 @pytest.mark.parametrize("fmt", FORMATS + STORED_FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T", [1, 2, 5, 9, 24, 25, 600])
+@pytest.mark.parametrize("T", [1, 2, 5, 8, 9, 24, 25, 600])
 @pytest.mark.parametrize("activation,with_bias,with_residual,norm", EPILOGUES)
 def test_quantized_linear_rows16(isa, fmt, dtype, T, activation, with_bias, with_residual,
                                  norm):
     """The x16 layout against gguf's weights and a float64 matmul on every ISA and epilogue:
-    its int8 kernels (1-24 tokens, in passes of 8, on avx512_vnni and amx_int8), and the other
-    kernels on its rows de-interleaved, which give the row layout's results bit for bit."""
+    its int8 kernels (in passes of 8 tokens: 1-24 on avx512_vnni, 1-8 on amx_int8), amx_int8's
+    tiles reading it directly, and the other kernels on its rows de-interleaved; beyond the int8
+    kernels, the row layout's results bit for bit."""
     K, N = (96 if block_weights(fmt) == 32 else 512), 96  # gated: halves of 48 rows
     q, w = quantized(fmt, K, N)
     x, b, r, norm_args = epilogue_inputs(T, K, N, dtype, activation, with_bias, with_residual,
@@ -506,7 +508,7 @@ def test_quantized_linear_rows16(isa, fmt, dtype, T, activation, with_bias, with
                                b, activation, r, *norm_args)
     # The x16 int8 kernels split up to ROWS16_INT8_MAX_T tokens into two int8 parts; otherwise
     # the row layout's kernels run on the rows de-interleaved.
-    int8_kernels = isa in ("avx512_vnni", "amx_int8") and T <= ROWS16_INT8_MAX_T
+    int8_kernels = T <= ROWS16_INT8_MAX_T.get(isa, 0)
     rounded = (functools.partial(int8x2_rounded, lo_steps=256) if int8_kernels
                else rounding(isa, T, dtype, fmt))
     assert_close(out, epilogue_reference(x, w, b, activation, r, norm_args, rounded), dtype)

@@ -23,6 +23,8 @@ constexpr int64_t kInt8MaxT = 2;
 // The most tokens they take on the x16 layout, whose scaling is per 16 rows, in passes of
 // kMaxDotTokens: up to where quantized_linear's int16 GEMM (on rows de-interleaved) overtakes.
 constexpr int64_t kRows16Int8MaxT = 24;
+// On kAmxInt8 the tiles overtake them beyond one pass (bench/quantized_linear.py).
+constexpr int64_t kRows16AmxMaxT = cpu::quant::kMaxDotTokens;
 
 // How a call's activations reach the dot kernels: as float32; split into two int8 parts per
 // block for the VNNI kernels (kAvx512Vnni and kAmxInt8, up to kInt8MaxT tokens, kRows16Int8MaxT
@@ -77,7 +79,10 @@ QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& q
 // below the float kernel's memory rate on weights streamed from DRAM (the x16 layout's is not).
 inline Int8Path int8_path(cpu::quant::Isa isa, QuantLayout layout, int64_t T, bool allow_int8) {
   using cpu::quant::Isa;
-  if (T <= (layout.rows16 ? kRows16Int8MaxT : kInt8MaxT)) {
+  const int64_t vnni_max_t = !layout.rows16         ? kInt8MaxT
+                            : isa == Isa::kAmxInt8 ? kRows16AmxMaxT
+                                                   : kRows16Int8MaxT;
+  if (T <= vnni_max_t) {
     const bool q8_0_rows = layout.format == cpu::quant::Format::kQ8_0 && !layout.rows16;
     const bool vnni = (isa == Isa::kAvx512Vnni && !q8_0_rows) || isa == Isa::kAmxInt8;
     return vnni && allow_int8 ? Int8Path::kVnni : Int8Path::kNone;
