@@ -181,15 +181,14 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, format: str, in_fea
     activations of up to 2 tokens into two int8 parts per block of 32 (llama.cpp's one int8 rounding
     plus its remainder: within ``max |x| / 65024`` of the block, finer than bfloat16), except
     ``q8_0`` on ``avx512_vnni`` and with ``int8_activations=False`` (the models' output heads, whose
-    near-tied logits any rounding may flip); on the x16 layout they do so for up to 24 tokens (every
-    format, ``q8_0`` too). The other kernels read x16 rows de-interleaved into scratch, a step the
-    decode-sized calls avoid. Whatever ``int8_activations`` says,
-    ``avx512_vnni`` rounds more than 8 float32 tokens to int16 per block of 32 (within
-    ``max |x| / 65534``) for its int16 GEMM, and
-    from 3 tokens ``amx_int8`` (the default where the CPU has AMX) multiplies ``q8_0``, ``q4_0``
-    and ``q4_1`` on AMX tiles on activations split in two int8 parts (within
-    ``max |x| / 64516``), the other formats as ``avx512_vnni`` does (float dot kernels up to 8
-    tokens, the int16 GEMM beyond). The other paths use the activations as given.
+    near-tied logits any rounding may flip); on the x16 layout they do so for up to 24 tokens on
+    ``avx512_vnni``, 8 on ``amx_int8`` (every format, ``q8_0`` too). Whatever
+    ``int8_activations`` says, ``avx512_vnni`` rounds more than 8 float32 tokens to int16 per block
+    of 32 (within ``max |x| / 65534``) for its int16 GEMM, and beyond those ``amx_int8`` (the
+    default where the CPU has AMX) multiplies every format on AMX tiles on activations split in
+    two int8 parts (within ``max |x| / 64516``), reading the x16 layout directly. Its other
+    kernels read x16 rows de-interleaved into scratch. The other paths use the activations as
+    given.
     """
     return torch.ops.orca.quantized_linear(x, qweight, format, in_features, bias, activation,
                                            residual, norm, norm_weight, norm_bias, norm_eps,
@@ -208,7 +207,7 @@ def interleave_rows16(qweight: torch.Tensor, format: str, in_features: int) -> t
     """The blocks ``qweight`` (uint8 ``[N, row bytes]`` of ``format``, one of QUANT_FORMATS, N a
     multiple of 16) in the x16 layout, which ``quantized_linear`` reads as format ``format +
     ROWS16_SUFFIX``: the same bytes, each group of 16 rows' blocks interleaved field by field so
-    that its kernels of 1 to 24 tokens on ``avx512_vnni`` / ``amx_int8`` run one output row per
+    that its int8 kernels of a few tokens on ``avx512_vnni`` / ``amx_int8`` run one output row per
     vector lane (csrc/include/orca/cpu/quant_rows16.h lays it out). A gated weight's gate and up
     halves must each have a multiple of 16 rows. CPU only."""
     return torch.ops.orca.interleave_rows16(qweight, format, in_features)

@@ -28,8 +28,8 @@ constexpr int64_t kRows16AmxMaxT = cpu::quant::kMaxDotTokens;
 
 // How a call's activations reach the dot kernels: as float32; split into two int8 parts per
 // block for the VNNI kernels (kAvx512Vnni and kAmxInt8, up to kInt8MaxT tokens, kRows16Int8MaxT
-// on the x16 layout, where the call allows int8 rounding; within max |x| / 65024 of each
-// block); or split so in the tiles' layout
+// or kRows16AmxMaxT on the x16 layout, where the call allows int8 rounding; within
+// max |x| / 65024 of each block); or split so in the tiles' layout
 // for kAmxInt8's tile kernels (more tokens; within max |x| / 64516 of each block, finer than
 // bfloat16, so taken whether or not the call allows int8 rounding).
 enum class Int8Path { kNone, kVnni, kAmx };

@@ -253,9 +253,8 @@ def load_quantized(out: torch.Tensor, checkpoint: Checkpoint, spec: HFWeight,
 
 def rows16_formats(isa: str) -> tuple[str, ...]:
     """The formats whose x16 layout (``ops.interleave_rows16``) the decode-sized int8 kernels of
-    ``isa`` read directly: every one on ``avx512_vnni`` and ``amx_int8`` (whose tile kernels
-    then read q8_0 / q4_0 / q4_1 rows de-interleaved per block of outputs: a small cost on
-    prompts for a large gain on decode steps); none elsewhere."""
+    ``isa`` read directly: every one on ``avx512_vnni`` and ``amx_int8`` (whose tile kernels read
+    it directly too); none elsewhere."""
     return ops.QUANT_FORMATS if isa in ("avx512_vnni", "amx_int8") else ()
 
 
