@@ -186,9 +186,8 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, format: str, in_fea
     ``int8_activations`` says, ``avx512_vnni`` rounds more than 8 float32 tokens to int16 per block
     of 32 (within ``max |x| / 65534``) for its int16 GEMM, and beyond those ``amx_int8`` (the
     default where the CPU has AMX) multiplies every format on AMX tiles on activations split in
-    two int8 parts (within ``max |x| / 64516``), reading the x16 layout directly. Its other
-    kernels read x16 rows de-interleaved into scratch. The other paths use the activations as
-    given.
+    two int8 parts (within ``max |x| / 64516``), reading the x16 layout directly. The other
+    kernels read x16 rows de-interleaved into scratch and use the activations as given.
     """
     return torch.ops.orca.quantized_linear(x, qweight, format, in_features, bias, activation,
                                            residual, norm, norm_weight, norm_bias, norm_eps,
