@@ -198,8 +198,8 @@ def test_int8_activation_error(fmt, isa, T, steps, force_isa):
     """The int8 and int16 paths' one error beyond float32 accumulation: each activation rounded
     by at most its block's dx / steps (dx = max |x| / 127; the remainder's int8 part is in steps
     of dx / 256 in avx512_vnni's kernels, dx / 254 in amx_int8's tiles; avx512_vnni's int16
-    GEMM rounds to max |x| / 32767, within dx / 516), so
-    an output moves by at most sum_k |w_k| dx_k / steps."""
+    GEMM rounds to max |x| / 32767, within dx / 516), so an output moves by at most
+    sum_k |w_k| dx_k / steps."""
     if isa not in _C.quant_isas():
         pytest.skip(f"this CPU does not run the {isa} path")
     if rounding(isa, T, torch.float32, fmt) is None:
@@ -506,8 +506,8 @@ def test_quantized_linear_rows16(isa, fmt, dtype, T, activation, with_bias, with
                                          norm)
     out = ops.quantized_linear(x, ops.interleave_rows16(q, fmt, K), fmt + ops.ROWS16_SUFFIX, K,
                                b, activation, r, *norm_args)
-    # The x16 int8 kernels split up to ROWS16_INT8_MAX_T tokens into two int8 parts; otherwise
-    # the row layout's kernels run on the rows de-interleaved.
+    # The x16 int8 kernels split up to ROWS16_INT8_MAX_T tokens into two int8 parts; beyond, the
+    # kernels give the row layout's results.
     int8_kernels = T <= ROWS16_INT8_MAX_T.get(isa, 0)
     rounded = (functools.partial(int8x2_rounded, lo_steps=256) if int8_kernels
                else rounding(isa, T, dtype, fmt))
