@@ -191,8 +191,8 @@ inline void unpack_chunk(const uint8_t* block, __m512i (&b)[8], float* d, float*
     if constexpr (vnni::has_min(F)) _mm512_storeu_ps(m, _mm512_sub_ps(_mm512_setzero_ps(), min));
   } else {
     const __m512i high_bits = vnni::block_high_bits<F>(block);
-    constexpr bool kFourBit = rows16::fields(F).field[rows16::fields(F).count - 1].bytes == 16;
-    vnni::unrolled<kFourBit ? 4 : 8>([&]<int v>() {
+    constexpr bool kFourBit = rows16::quant_vectors(F) == 4;
+    vnni::unrolled<rows16::quant_vectors(F)>([&]<int v>() {
       __m512i second;
       vnni::block_quants<F, v>(block, high_bits, b[v], second);
       if constexpr (kFourBit) b[4 + v] = second;

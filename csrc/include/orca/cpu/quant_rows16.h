@@ -60,6 +60,13 @@ constexpr int64_t group_at(Format f, int i) {
   return at;
 }
 
+// A 32-weight format's quant field (its last) and its 64-byte vectors in a group block: 4 for
+// the four-bit formats (a byte's low and high nibbles), 8 for q8_0 / q8_m.
+constexpr int quant_field(Format f) { return fields(f).count - 1; }
+constexpr int quant_vectors(Format f) {
+  return static_cast<int>(fields(f).field[quant_field(f)].bytes / 4);
+}
+
 // q5_0 / q5_1: their qh, field 1 or 2, is rearranged.
 constexpr bool has_high_bits(Format f) { return f == Format::kQ5_0 || f == Format::kQ5_1; }
 constexpr int high_bits_field(Format f) { return f == Format::kQ5_1 ? 2 : 1; }

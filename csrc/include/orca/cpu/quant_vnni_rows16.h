@@ -58,9 +58,9 @@ inline void unrolled(const Fn& f) {
 template <Format F, int v>
 inline void block_quants(const uint8_t* block, __m512i high_bits, __m512i& first,
                          __m512i& second) {
-  constexpr int kQuantField = rows16::fields(F).count - 1;
-  const __m512i raw = _mm512_loadu_si512(block + rows16::group_at(F, kQuantField) + 64 * v);
-  if constexpr (rows16::fields(F).field[kQuantField].bytes == 16) {
+  const __m512i raw =
+      _mm512_loadu_si512(block + rows16::group_at(F, rows16::quant_field(F)) + 64 * v);
+  if constexpr (rows16::quant_vectors(F) == 4) {
     const __m512i low = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
     first = _mm512_and_si512(raw, low);
     second = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
@@ -90,8 +90,7 @@ template <Format F, int kT>
 inline void dot_group(const BlockPair* x, int64_t K, const uint8_t* w, float* y,
                       int64_t y_stride) {
   constexpr int64_t kGroupBlock = kRowGroup * block_bytes(F);
-  constexpr int kQuantField = rows16::fields(F).count - 1;
-  constexpr int kQuantVectors = rows16::fields(F).field[kQuantField].bytes / 4;
+  constexpr int kQuantVectors = rows16::quant_vectors(F);
   constexpr bool kFourBit = kQuantVectors == 4;
   constexpr bool kMin = has_min(F);
   const int64_t blocks = K / kBlockSize, pairs = (blocks + 1) / 2;
