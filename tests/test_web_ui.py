@@ -35,7 +35,9 @@ LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", 
 ARTIFACTS = Path(os.environ.get("ORCA_TEST_ARTIFACTS",
                                 Path(__file__).resolve().parents[1] / "build" / "test-artifacts"))
 TIMEOUT_MS = 120_000  # a reply on a busy 2-core machine
-QUESTION = "What is the capital of France?"
+# Greedy, a 64-token reply naming Paris: long enough that the browser sees it in several reads
+# of the stream (an 8-token one could arrive, and be shown, all at once).
+QUESTION = "What is the capital of France? Tell me about it."
 KEY = "web-ui-test-key"
 ABORTED = 'orca_requests_finished_total{finish_reason="abort"}'
 
@@ -146,7 +148,8 @@ def test_chat_streams_the_answer_and_keeps_conversations(pages: Pages):
     reply = last_reply(page)
     assert "Paris" in reply.locator(".body").inner_text()
     meta = reply.locator(".meta").inner_text()
-    assert re.fullmatch(r"TTFT \d+ ms · \d+\.\d tok/s · \d+ tokens", meta), meta
+    assert re.fullmatch(r"TTFT \d+ ms · \d+\.\d tok/s · 64 tokens · max tokens reached",
+                        meta), meta
     shown = [n for n in page.evaluate("window.lengths") if n]
     final = len(reply.locator(".body").text_content())
     assert shown and shown[0] < final, f"no part of the reply was shown before the rest: {shown}"
