@@ -135,18 +135,29 @@ struct LinearStep {
   int64_t N;
 };
 
-// This thread's blocks of a skinny linear, split as at::parallel_for splits packed_linear's (or
-// quantized_linear's, whose dot path takes the same blocks and grain).
+// [begin, end): thread tid's share of `units` split as at::parallel_for splits them with `grain`.
+struct Share {
+  int64_t begin, end;
+};
+inline Share parallel_share(int64_t units, int64_t grain, int tid, int nth) {
+  const int64_t workers = std::min<int64_t>(nth, ceil_div(units, grain));
+  if (tid >= workers) return {0, 0};
+  const int64_t chunk = ceil_div(units, workers);
+  return {std::min(units, tid * chunk), std::min(units, (tid + 1) * chunk)};
+}
+
+// This thread's share of a skinny linear, split as at::parallel_for splits quantized_linear's
+// (its dot path's groups of kRowGroup columns) or packed_linear's (blocks of kSkinnyBlock).
 // floats (T * K) and int8 (the int8 activations' bytes) are this thread's scratch.
 template <typename scalar_t>
 void linear_share(const StackShape& s, Activation act, const LinearStep<scalar_t>& step,
                   float* floats, uint8_t* int8, int tid, int nth) {
   const int64_t T = s.T, K = step.K, N = step.N;
-  const int64_t blocks = ceil_div(N, kSkinnyBlock);
-  const int64_t workers = std::min<int64_t>(nth, ceil_div(blocks, skinny_grain(K, act)));
-  if (tid >= workers) return;
-  const int64_t chunk = ceil_div(blocks, workers);
-  const int64_t begin = tid * chunk, end = std::min(blocks, begin + chunk);
+  const Share share =
+      step.linear.format
+          ? parallel_share(ceil_div(N, cpu::quant::kRowGroup), quant_group_grain(K, act), tid, nth)
+          : parallel_share(ceil_div(N, kSkinnyBlock), skinny_grain(K, act), tid, nth);
+  const int64_t begin = share.begin, end = share.end;
   if (begin >= end) return;
   const auto& bias = step.linear.bias;
   const scalar_t* b = bias ? bias->template data_ptr<scalar_t>() : nullptr;
@@ -158,7 +169,7 @@ void linear_share(const StackShape& s, Activation act, const LinearStep<scalar_t
     quantize_for(path, format.format, floats, T, K, int8);
     float y[2][kQuantStackMaxT * kSkinnyBlock];
     dispatch_activation(act, [&]<Activation a>() {
-      quant_dot_blocks<scalar_t, a>(s.isa, format, floats, path, int8, T, K,
+      quant_dot_groups<scalar_t, a>(s.isa, format, floats, path, int8, T, K,
                                     step.linear.weight.template data_ptr<uint8_t>(), b,
                                     step.residual, step.out, N, begin, end, y[0], y[1]);
     });

@@ -1,5 +1,5 @@
 // The quantized linear's few-token work, shared by quantized_linear and the fused DecoderStack:
-// its argument checks, the ISA choice, and one range of kSkinnyBlock-column blocks (dot products
+// its argument checks, the ISA choice, and one range of kRowGroup-column groups (dot products
 // on the GGUF blocks, then the epilogue), so the two give the same results bit for bit.
 #pragma once
 
@@ -116,26 +116,35 @@ inline void quantize_for(Int8Path path, cpu::quant::Format fmt, const float* x, 
   }
 }
 
-// Blocks [begin, end) of kSkinnyBlock output columns of out [T, N] = act(x @ W^T + bias) +
+// The threads' shares of a quantized linear's N output columns: groups of kRowGroup columns
+// (ceil(N / kRowGroup) of them, split by at::parallel_for with this grain), so that the shares
+// differ by at most one group (blocks of kSkinnyBlock columns would split SmolLM2's 576 as 5
+// blocks against 4).
+inline int64_t quant_group_grain(int64_t K, Activation act) {
+  static_assert(kSkinnyBlock % cpu::quant::kRowGroup == 0);
+  return skinny_grain(K, act) * (kSkinnyBlock / cpu::quant::kRowGroup);
+}
+
+// Groups [begin, end) of kRowGroup output columns of out [T, N] = act(x @ W^T + bias) +
 // residual, W the GGUF blocks w ([N, K], or [2N, K] gate rows then up rows for gated acts;
-// N a multiple of kRowGroup in the x16 layout): each block's dot products on x (float32
-// [T, K], up to kMaxDotTokens tokens at a time) or on x_int8 (quantize_for's rounding of x for
-// `path`), then its epilogue. residual may be out; y_gate and y_up are scratch of
-// T * kSkinnyBlock floats (y_up for gated acts only).
+// N a multiple of kRowGroup in the x16 layout), in blocks of up to kSkinnyBlock columns: each
+// block's dot products on x (float32 [T, K], up to kMaxDotTokens tokens at a time) or on x_int8
+// (quantize_for's rounding of x for `path`), then its epilogue. residual may be out; y_gate and
+// y_up are scratch of T * kSkinnyBlock floats (y_up for gated acts only).
 template <typename scalar_t, Activation act>
-void quant_dot_blocks(cpu::quant::Isa isa, QuantLayout layout, const float* x, Int8Path path,
+void quant_dot_groups(cpu::quant::Isa isa, QuantLayout layout, const float* x, Int8Path path,
                       const uint8_t* x_int8, int64_t T, int64_t K, const uint8_t* w,
                       const scalar_t* bias, const scalar_t* residual, scalar_t* out, int64_t N,
                       int64_t begin, int64_t end, float* y_gate, float* y_up) {
-  static_assert(kSkinnyBlock % cpu::quant::kRowGroup == 0);
   constexpr int64_t B = kSkinnyBlock, kChunk = cpu::quant::kMaxDotTokens;
   const cpu::quant::Format fmt = layout.format;
   const int64_t row_bytes = cpu::quant::row_bytes(fmt, K);
   const int64_t half = is_gated(act) ? N : 0;  // offset of the up rows
+  const int64_t last = std::min(N, end * cpu::quant::kRowGroup);
   float* const y[2] = {y_gate, y_up};
   thread_local std::vector<uint8_t> scratch;
-  for (int64_t blk = begin; blk < end; ++blk) {
-    const int64_t n0 = blk * B, cols = std::min(B, N - n0);
+  for (int64_t n0 = begin * cpu::quant::kRowGroup; n0 < last; n0 += B) {
+    const int64_t cols = std::min(B, last - n0);
     for (int64_t part = 0; part < (half ? 2 : 1); ++part) {
       const uint8_t* rows = w + (part * half + n0) * row_bytes;
       if (layout.rows16 && path == Int8Path::kVnni) {

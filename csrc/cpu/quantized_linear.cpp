@@ -139,15 +139,15 @@ QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& q
 
 namespace {
 
-// The dot kernels' tokens: the blocks of kSkinnyBlock output columns split across the threads.
+// The dot kernels' tokens: the groups of kRowGroup output columns split across the threads.
 template <typename scalar_t, Activation act>
 void dot_linear(Isa isa, QuantLayout layout, const float* x, Int8Path path,
                 const uint8_t* x_int8, int64_t T, int64_t K, const uint8_t* w,
                 const scalar_t* bias, const scalar_t* residual, scalar_t* out, int64_t N) {
-  at::parallel_for(0, ceil_div(N, kSkinnyBlock), skinny_grain(K, act),
+  at::parallel_for(0, ceil_div(N, cpu::quant::kRowGroup), quant_group_grain(K, act),
                    [&](int64_t begin, int64_t end) {
     std::vector<float> y(2 * T * kSkinnyBlock);
-    quant_dot_blocks<scalar_t, act>(isa, layout, x, path, x_int8, T, K, w, bias, residual, out,
+    quant_dot_groups<scalar_t, act>(isa, layout, x, path, x_int8, T, K, w, bias, residual, out,
                                     N, begin, end, y.data(), y.data() + T * kSkinnyBlock);
   });
 }
