@@ -18,6 +18,7 @@ from orca_ext.model.builtin import DEFAULT_MODEL, builtin_gguf_path
 from orca_ext.model.gguf import GGUFFile
 from orca_ext.model.gguf_reader import GGUFArrayReader, contents
 from orca_ext.model.gguf_tokenizer import gguf_tokenizer, merges_from_scores
+from orca_ext.model.tokenizer import bytes_to_unicode
 
 # Gemma's chat turns, its other control and user-defined tokens as text, runs of every kind of
 # whitespace (its vocabulary has tokens for runs of up to 31), text that spells a byte token,
@@ -111,6 +112,42 @@ def test_gemma_rules_on_a_small_file(tmp_path):
         assert ours.decode(ours.encode(text), skip_special_tokens=False) == \
             reference.decode(reference.encode(text), skip_special_tokens=False)
     assert ours.encode("ab") == [2, 269]  # no "\u2581ab": no prefix space
+
+
+class _Metadata:
+    """The part of a GGUFFile the tokenizer reads: its metadata values, path and architecture."""
+
+    def __init__(self, values: dict) -> None:
+        self.values, self.path, self.architecture = values, "meta.gguf", "llama"
+
+    def value(self, key: str, default=None):
+        return self.values.get(key, default)
+
+
+def _byte_level_metadata(extra_tokens: list[str], extra_types: list[int],
+                         merges: list[str]) -> _Metadata:
+    symbols = list(bytes_to_unicode().values())
+    return _Metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
+                      "tokenizer.ggml.tokens": symbols + extra_tokens,
+                      "tokenizer.ggml.token_type": [1] * len(symbols) + extra_types,
+                      "tokenizer.ggml.merges": merges})
+
+
+def test_byte_level_tokens_spelled_outside_the_alphabet():
+    """A token the file spells as text ("日") is the byte-spelled token the merges build
+    ("æĹ¥"); a control token spelled so is a mislabel, not special."""
+    extra = ["æĹ", "日", "<|日|>", "<|end|>"]
+    tokenizer = gguf_tokenizer(_byte_level_metadata(extra, [1, 1, 3, 3], ["æ Ĺ", "æĹ ¥"]))
+    first = len(bytes_to_unicode())
+    assert tokenizer.encode("日") == [first + 1]
+    assert tokenizer.encode("<|end|>") == [first + 3]
+    assert first + 2 not in tokenizer.encode("<|日|>")
+    assert tokenizer.decode(tokenizer.encode("a 日<|日|>")) == "a 日<|日|>"
+
+
+def test_byte_level_merge_without_a_space_is_refused():
+    with pytest.raises(ValueError, match="meta.gguf: tokenizer merge 'ab' is not two tokens"):
+        gguf_tokenizer(_byte_level_metadata(["ab"], [1], ["a b", "ab"]))
 
 
 def _random_vocabulary(seed: int) -> tuple[list[str], list[float]]:

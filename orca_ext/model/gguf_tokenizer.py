@@ -98,13 +98,10 @@ def _merges(file: GGUFFile) -> list[tuple[str, str]] | None:
     merges = file.value("tokenizer.ggml.merges")
     if merges is None:
         return None
-    pairs = []
-    for merge in merges:
-        left, sep, right = merge.partition(" ")
-        if not sep:
-            raise ValueError(f"{file.path}: tokenizer merge {merge!r} is not two tokens")
-        pairs.append((left, right))
-    return pairs
+    bad = next((merge for merge in merges if " " not in merge), None)
+    if bad is not None:
+        raise ValueError(f"{file.path}: tokenizer merge {bad!r} is not two tokens")
+    return [tuple(merge.split(" ", 1)) for merge in merges]
 
 
 def _byte_level_bpe(file: GGUFFile, tokens: list[str], types: list[int]
@@ -114,11 +111,13 @@ def _byte_level_bpe(file: GGUFFile, tokens: list[str], types: list[int]
         raise ValueError(f"{file.path}: unsupported pre-tokenizer {pre!r}; supported: "
                          f"{', '.join(PRE_TOKENIZER_SPLITS)}")
     spelling = bytes_to_unicode()
-    alphabet = set(spelling.values())
+    # The characters of the file's tokens outside the byte alphabet (usually none: found in
+    # one pass over the whole vocabulary, not token by token).
+    outside = set("".join(tokens)) - set(spelling.values())
     # A token the file spells outside the byte alphabet is respelled byte by byte, as the
     # merges spell it.
-    spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode())
-               for t in tokens]
+    spelled = [t if outside.isdisjoint(t) else "".join(spelling[b] for b in t.encode())
+               for t in tokens] if outside else tokens
     merges = _merges(file)
     if merges is None:
         raise ValueError(f"{file.path}: a byte-level BPE tokenizer needs tokenizer.ggml.merges")
@@ -130,7 +129,7 @@ def _byte_level_bpe(file: GGUFFile, tokens: list[str], types: list[int]
     inner.decoder = decoders.ByteLevel()
     # A control token spelled outside the byte alphabet is a mislabel in the file: not special.
     specials = {
-        _CONTROL: [t for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet],
+        _CONTROL: [t for t, k in zip(tokens, types) if k == _CONTROL and outside.isdisjoint(t)],
         _USER_DEFINED: [t for t, k in zip(spelled, types) if k == _USER_DEFINED],
     }
     return inner, specials
