@@ -44,7 +44,8 @@ def test_all_greedy_batch_is_exact_argmax(extra):
     assert (out.logprobs[0] is None) == ("logprobs" not in extra)
 
 
-@pytest.mark.parametrize("rows,vocab", [(1, 1), (1, 257), (4, 257), (33, 1000), (3, 50304)])
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (1, 257), (4, 257), (33, 1000), (3, 50304),
+                                       (32, 8200)])
 def test_argmax_rows_matches_torch_argmax(rows, vocab):
     """The CPU greedy path's C++ argmax against torch.argmax: ties (the first wins), NaN (the
     first NaN wins), infinities, and a non-contiguous view."""
@@ -57,6 +58,13 @@ def test_argmax_rows_matches_torch_argmax(rows, vocab):
     special[::2].scatter_(1, idx[::2, 1:], float("nan"))
     cases.append(special)
     cases.append(torch.randn(vocab, rows, generator=gen).t())
+    # Signed zeros (equal: the first wins) and a row's maximum in its last element.
+    zeros = torch.zeros(rows, vocab)
+    zeros[:, ::3] = -0.0
+    cases.append(zeros)
+    tail = logits.clone()
+    tail[:, -1] = 100.0
+    cases.append(tail)
     for case in cases:
         assert _C.argmax_rows(case) == case.argmax(dim=-1).tolist()
 
