@@ -182,7 +182,9 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, format: str, in_fea
     plus its remainder: within ``max |x| / 65024`` of the block, finer than bfloat16), except
     ``q8_0`` on ``avx512_vnni`` and with ``int8_activations=False`` (the models' output heads, whose
     near-tied logits any rounding may flip); on the x16 layout they do so for up to 24 tokens on
-    ``avx512_vnni``, 8 on ``amx_int8`` (every format, ``q8_0`` too). Whatever
+    ``avx512_vnni``, 8 on ``amx_int8`` (every format, ``q8_0`` too), and with
+    ``int8_activations=False`` run up to 4 tokens as twice as many: each token's two parts and
+    those of its remainder (within ``max |x| / 65024**2``, finer than float32's rounding of x). Whatever
     ``int8_activations`` says, ``avx512_vnni`` rounds more than 8 float32 tokens to int16 per block
     of 32 (within ``max |x| / 65534``) for its int16 GEMM, and beyond those ``amx_int8`` (the
     default where the CPU has AMX) multiplies every format on AMX tiles on activations split in
@@ -231,8 +233,9 @@ def quantized_embedding(ids: torch.Tensor, qweight: torch.Tensor, format: str,
                         embedding_dim: int) -> torch.Tensor:
     """float32 rows ``[T, embedding_dim]`` of a table held as GGUF blocks ``qweight`` (uint8
     ``[num_embeddings, embedding_dim / block_weights * block_bytes]`` of ``format``, as in
-    ``quantized_linear``) for the token ids ``ids [T]`` (int64 or int32): only the rows looked up
-    are dequantized (CPU only)."""
+    ``quantized_linear``, the x16 layout included: a table tied to an output head so laid out)
+    for the token ids ``ids [T]`` (int64 or int32): only the rows looked up are dequantized (CPU
+    only)."""
     return torch.ops.orca.quantized_embedding(ids, qweight, format, embedding_dim)
 
 

@@ -517,6 +517,63 @@ def test_quantized_linear_rows16(isa, fmt, dtype, T, activation, with_bias, with
         assert torch.equal(out, row_layout)
 
 
+# Up to this many tokens a call that refuses int8 rounding (an output head's) on the x16 layout
+# runs the int8 kernels on each token's two int8 parts and on those of their remainder.
+ROWS16_FINE_MAX_T = 4
+
+
+def rows16_refusing_int8(isa: str, T: int, dtype: torch.dtype, fmt: str):
+    """How a call that refuses int8 rounding rounds T tokens on the x16 layout: as finely as
+    float32 (None) on the int8 kernels up to ROWS16_FINE_MAX_T; beyond, as on the row layout."""
+    if isa in ROWS16_INT8_MAX_T and T <= ROWS16_FINE_MAX_T:
+        return None
+    return rounding(isa, T, dtype, fmt, int8_activations=False)
+
+
+@pytest.mark.parametrize("fmt", FORMATS + STORED_FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 2, 4, 5, 9, 25])
+def test_quantized_linear_rows16_refusing_int8(isa, fmt, dtype, T):
+    """A call that refuses int8 rounding (an output head's logits, its final norm fused) on the
+    x16 layout against gguf's weights and a float64 matmul on every ISA: its float32 rows
+    unrounded up to ROWS16_FINE_MAX_T tokens on avx512_vnni and amx_int8; beyond, amx_int8's
+    tiles reading the layout directly, and the other kernels on its rows de-interleaved."""
+    K, N = (96 if block_weights(fmt) == 32 else 512), 48
+    q, w = quantized(fmt, K, N)
+    x, _, _, norm_args = epilogue_inputs(T, K, N, dtype, "none", False, False, "rms_norm")
+    out = ops.quantized_linear(x, ops.interleave_rows16(q, fmt, K), fmt + ops.ROWS16_SUFFIX, K,
+                               None, "none", None, *norm_args, int8_activations=False)
+    rounded = rows16_refusing_int8(isa, T, dtype, fmt)
+    assert_close(out, epilogue_reference(x, w, None, "none", None, norm_args, rounded), dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS + STORED_FORMATS)
+@pytest.mark.parametrize("isa", ["avx512_vnni", "amx_int8"])
+@pytest.mark.parametrize("T", [1, 4])
+def test_rows16_refusing_int8_is_as_fine_as_float32(fmt, isa, T, force_isa):
+    """The x16 layout's int8 kernels on the activations' split and their remainder's split are
+    as close to a float64 matmul as the float32 kernels on the row layout (within 4x their
+    largest error), and far closer than the split alone (the call that allows int8 rounding)."""
+    if isa not in _C.quant_isas():
+        pytest.skip(f"this CPU does not run the {isa} path")
+    K, N = (640, 256) if block_weights(fmt) == 32 else (768, 256)
+    q, w = quantized(fmt, K, N)
+    grouped = ops.interleave_rows16(q, fmt, K)
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(3)) * 4
+    exact = x.double() @ w.double().t()
+
+    def error(qweight: torch.Tensor, format: str, int8_activations: bool) -> torch.Tensor:
+        out = ops.quantized_linear(x, qweight, format, K, int8_activations=int8_activations)
+        return (out.double() - exact).abs()
+
+    force_isa("quant", "avx512")
+    float_rows = error(q, fmt, False)
+    force_isa("quant", isa)
+    fine = error(grouped, fmt + ops.ROWS16_SUFFIX, False)
+    assert fine.max() <= 4 * float_rows.max()
+    assert error(grouped, fmt + ops.ROWS16_SUFFIX, True).mean() > 16 * fine.mean()
+
+
 def test_rows16_opcheck():
     q, _ = quantized("q5_0", 96, 48)
     grouped = ops.interleave_rows16(q, "q5_0", 96)

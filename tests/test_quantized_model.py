@@ -10,6 +10,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from torch import nn
 from gguf import GGMLQuantizationType as Q
 from gguf_files import make_model, random_blocks, write_gguf
 from test_decoder_stack import BATCHES, assert_fused_equals_per_op, run_both
@@ -21,7 +22,8 @@ from orca_ext.config import EngineConfig
 from orca_ext.model import load_model
 from orca_ext.model.layers import Linear
 from orca_ext.model import quantized as quantized_module
-from orca_ext.model.quantized import QuantizedEmbedding, QuantizedLinear, rows16_formats
+from orca_ext.model.quantized import (QuantizedEmbedding, QuantizedLinear, interleave_rows,
+                                      rows16_formats)
 from orca_ext.quantize import dequantize_weight, quantize_weight
 from orca_ext.runner.decoder_stack import build_decoder_stack, unsupported_reason
 
@@ -480,6 +482,22 @@ def test_quantized_embedding_rows(fmt, isa):
     assert torch.equal(ops.quantized_embedding(many, q, fmt, dim), full[many])
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K"])
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_quantized_embedding_rows16(fmt, isa):
+    """A table in the x16 layout (an embedding tied to an output head so laid out) gives the
+    rows of the file's layout bit for bit (q5: its high bits restored; the threaded path too)."""
+    dim = 256 if fmt.endswith("K") else 96
+    if fmt in ("q8_0", "q4_1"):
+        q = quantize_weight(torch.randn(48, dim), fmt)
+    else:
+        q = torch.from_numpy(random_blocks(Q[fmt.upper()], 48, dim, np.random.default_rng(1)))
+    grouped = ops.interleave_rows16(q, fmt, dim)
+    ids = torch.cat([torch.tensor([47, 0, 15, 16, 31, 5]), torch.randint(0, 48, (700,))])
+    assert torch.equal(ops.quantized_embedding(ids, grouped, fmt + ops.ROWS16_SUFFIX, dim),
+                       dequantize_weight(q, fmt, dim)[ids])
+
+
 def test_quantized_embedding_opcheck():
     q = quantize_weight(torch.randn(20, 64), "q4_1")
     for ids in (torch.tensor([1, 19, 4]), torch.tensor([2], dtype=torch.int32)):
@@ -488,7 +506,10 @@ def test_quantized_embedding_opcheck():
 
 @pytest.mark.parametrize("change,message", [
     (dict(format="iq4_nl"), "format must be one of 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', "
-                            "'q8_m', 'q4_K', 'q5_K', 'q6_K', got 'iq4_nl'"),
+                            "'q8_m', 'q4_K', 'q5_K', 'q6_K', or one of them with '_x16' (the "
+                            "x16 layout), got 'iq4_nl'"),
+    (dict(format="q8_0_x16"), "qweight in the x16 layout ('q8_0_x16') must have a multiple of "
+                              "16 rows, got 6"),
     (dict(format="q4_K"), "embedding_dim must be a non-negative multiple of 256 (the block "
                           "size of q4_K), got 32"),
     (dict(format="q6_K", embedding_dim=256), "qweight has 34 bytes per row but embedding_dim "
@@ -589,8 +610,8 @@ def test_rows16_formats_per_isa():
 def test_loader_interleaves_decoder_linears_for_the_cpus_kernels(stored_formats_file, isa,
                                                                  force_isa):
     """Loaded under avx512_vnni or amx_int8, the decoder blocks' linears are in the x16 layout
-    (the same weights) and the embedding and the head keep the file's rows; under avx2 nothing
-    is interleaved."""
+    (the same weights), and the embedding and the head keep the file's rows: their 300 rows are
+    not a multiple of 16; under avx2 nothing is interleaved."""
     if isa not in _C.quant_isas():
         pytest.skip(f"this CPU does not run the {isa} path")
     force_isa("quant", isa)
@@ -605,6 +626,43 @@ def test_loader_interleaves_decoder_linears_for_the_cpus_kernels(stored_formats_
         assert module.format.endswith(ops.ROWS16_SUFFIX) == want, name
         seen.add(module.format)
     assert any(f.endswith(ops.ROWS16_SUFFIX) for f in seen) == bool(rows16)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512_vnni", "amx_int8"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q6_K"])
+def test_loader_interleaves_the_head_and_its_tied_embedding(isa, fmt, force_isa):
+    """An output head of a multiple of 16 rows goes to the x16 layout with the embedding tied to
+    it where the CPU's int8 kernels read the layout: the same embedding rows bit for bit, the
+    same logits one token a step (the activations' split and their remainder's) and for a
+    prompt; a head of other rows keeps the file's."""
+    if isa not in _C.quant_isas():
+        pytest.skip(f"this CPU does not run the {isa} path")
+    force_isa("quant", isa)
+    K = 256
+    for rows, want in ((48, bool(rows16_formats(isa))), (40, False)):
+        model = nn.Module()
+        model.layers = nn.ModuleList()
+        model.lm_head = QuantizedLinear(K, rows, False, "none", fmt)
+        model.lm_head.weight.copy_(
+            quantize_weight(torch.randn(rows, K), fmt) if fmt == "q8_0" else torch.from_numpy(
+                random_blocks(Q[fmt.upper()], rows, K, np.random.default_rng(rows))))
+        model.embed = QuantizedEmbedding(rows, K, fmt)
+        model.embed.weight = model.lm_head.weight
+        x = torch.randn(12, K, generator=torch.Generator().manual_seed(rows))
+        ids = torch.arange(rows)
+
+        def outputs() -> tuple[torch.Tensor, ...]:
+            return model.lm_head.logits(x[:1]), model.lm_head.logits(x), model.embed(ids)
+
+        before = outputs()
+        interleave_rows(model)
+        suffix = ops.ROWS16_SUFFIX if want else ""
+        assert (model.lm_head.format, model.embed.format) == (fmt + suffix, fmt + suffix)
+        after = outputs()
+        assert torch.equal(after[2], before[2])
+        for got, expected in zip(after[:2], before[:2]):
+            torch.testing.assert_close(got, expected, rtol=0,
+                                       atol=1e-5 * float(expected.abs().max()))
 
 
 @pytest.mark.parametrize("batch", ["decode_4", "mixed_8"])

@@ -53,7 +53,7 @@ def test_stored_formats_stay_quantized(native):
     """The Q4_1 linears and the tied Q8_0 embedding as stored: under 120 MB of weights, against
     538 MB dequantized to float32."""
     model = native.model
-    assert model.embed.format == "q8_0" and model.lm_head.weight is model.embed.weight
+    assert stored_format(model.embed) == "q8_0" and model.lm_head.weight is model.embed.weight
     assert {stored_format(lin) for b in model.layers
             for lin in (b.attn.qkv, b.attn.out, b.mlp.up, b.mlp.down)} == {"q4_1"}
     weights = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())

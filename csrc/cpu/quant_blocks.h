@@ -29,10 +29,15 @@ constexpr int64_t kRows16AmxMaxT = cpu::quant::kMaxDotTokens;
 // How a call's activations reach the dot kernels: as float32; split into two int8 parts per
 // block for the VNNI kernels (kAvx512Vnni and kAmxInt8, up to kInt8MaxT tokens, kRows16Int8MaxT
 // or kRows16AmxMaxT on the x16 layout, where the call allows int8 rounding; within
-// max |x| / 65024 of each block); or split so in the tiles' layout
-// for kAmxInt8's tile kernels (more tokens; within max |x| / 64516 of each block, finer than
-// bfloat16, so taken whether or not the call allows int8 rounding).
-enum class Int8Path { kNone, kVnni, kAmx };
+// max |x| / 65024 of each block); on the x16 layout, where the call refuses int8 rounding (the
+// output heads), for up to kFineMaxT tokens, split so and their remainder split again (kVnniFine,
+// as fine as float32: quantize_activations_fine); or split in two int8 parts in the tiles'
+// layout for kAmxInt8's tile kernels (more tokens; within max |x| / 64516 of each block, finer
+// than bfloat16, so taken whether or not the call allows int8 rounding).
+enum class Int8Path { kNone, kVnni, kVnniFine, kAmx };
+
+// The most tokens kVnniFine takes: twice as many tokens in one pass of the dot kernels.
+constexpr int64_t kFineMaxT = cpu::quant::kMaxDotTokens / 2;
 
 // The format named 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q4_K', 'q5_K' or 'q6_K' (ggml's
 // type names) or 'q8_m' (orca's); a RuntimeError naming `what` otherwise.
@@ -56,6 +61,10 @@ QuantLayout parse_quant_layout(c10::string_view name, const char* what = "format
 void check_block_rows(const at::Tensor& qweight, cpu::quant::Format fmt,
                       c10::string_view format, int64_t K, const char* k_name);
 
+// qweight in the x16 layout (named `format`) checked to have a multiple of kRowGroup rows (in
+// each of its gate and up halves if gated); a RuntimeError otherwise.
+void check_rows16_rows(const at::Tensor& qweight, c10::string_view format, bool gated);
+
 struct QuantArgs {
   QuantLayout layout;
   Activation act;
@@ -74,11 +83,19 @@ QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& q
                                         double norm_eps);
 
 // The path of T tokens of the format on the ISA (allow_int8: whether the call allows int8
-// rounding): amx_int8's tiles beyond the int8 dot kernels' tokens; avx512_vnni runs q8_0's 1-2
-// token steps on the float kernels in the row layout: its int8 kernel there is compute-bound
-// below the float kernel's memory rate on weights streamed from DRAM (the x16 layout's is not).
+// rounding): amx_int8's tiles beyond the int8 dot kernels' tokens, and on the x16 layout
+// beyond kVnniFine's where the call refuses int8 rounding (the float kernels would read its rows
+// de-interleaved); avx512_vnni runs q8_0's 1-2 token steps on the float kernels in the row
+// layout: its int8 kernel there is compute-bound below the float kernel's memory rate on
+// weights streamed from DRAM (the x16 layout's is not).
 inline Int8Path int8_path(cpu::quant::Isa isa, QuantLayout layout, int64_t T, bool allow_int8) {
   using cpu::quant::Isa;
+  const bool int8_isa = isa == Isa::kAvx512Vnni || isa == Isa::kAmxInt8;
+  if (layout.rows16 && int8_isa && !allow_int8) {
+    return T <= kFineMaxT ? Int8Path::kVnniFine
+           : isa == Isa::kAmxInt8 ? Int8Path::kAmx
+                                  : Int8Path::kNone;
+  }
   const int64_t vnni_max_t = !layout.rows16         ? kInt8MaxT
                             : isa == Isa::kAmxInt8 ? kRows16AmxMaxT
                                                    : kRows16Int8MaxT;
@@ -102,15 +119,17 @@ inline const uint8_t* file_rows(QuantLayout layout, const uint8_t* w, int64_t K,
 
 // The bytes of x_int8 for T tokens of K values on the path.
 inline int64_t int8_bytes(Int8Path path, int64_t T, int64_t K) {
-  return path == Int8Path::kVnni  ? cpu::quant::int8_activation_bytes(T, K)
-         : path == Int8Path::kAmx ? cpu::quant::amx_activation_bytes(T, K)
-                                  : 0;
+  return path == Int8Path::kVnni       ? cpu::quant::int8_activation_bytes(T, K)
+         : path == Int8Path::kVnniFine ? cpu::quant::int8_activation_bytes(2 * T, K)
+         : path == Int8Path::kAmx      ? cpu::quant::amx_activation_bytes(T, K)
+                                       : 0;
 }
 
 // x (float32 [T, K]) rounded into x_int8 for the path (nothing for kNone).
 inline void quantize_for(Int8Path path, cpu::quant::Format fmt, const float* x, int64_t T,
                          int64_t K, uint8_t* x_int8) {
   if (path == Int8Path::kVnni) cpu::quant::quantize_activations(fmt, x, T, K, x_int8);
+  if (path == Int8Path::kVnniFine) cpu::quant::quantize_activations_fine(fmt, x, T, K, x_int8);
   if (path == Int8Path::kAmx) {
     cpu::quant::quantize_activations_amx(x, T, K, cpu::quant::amx_group_tokens(T), x_int8);
   }
@@ -152,6 +171,17 @@ void quant_dot_groups(cpu::quant::Isa isa, QuantLayout layout, const float* x, I
           cpu::quant::dot_rows16_int8(fmt, x_int8 + cpu::quant::int8_activation_bytes(t0, K),
                                       std::min(kChunk, T - t0), K, rows, cols, y[part] + t0 * B,
                                       B);
+        }
+        continue;
+      }
+      if (path == Int8Path::kVnniFine) {
+        // Each token's two rows of products (its split, its remainder's) summed.
+        float pairs[2 * kFineMaxT * B];
+        cpu::quant::dot_rows16_int8(fmt, x_int8, 2 * T, K, rows, cols, pairs, B);
+        for (int64_t t = 0; t < T; ++t) {
+          for (int64_t c = 0; c < cols; ++c) {
+            y[part][t * B + c] = pairs[2 * t * B + c] + pairs[(2 * t + 1) * B + c];
+          }
         }
         continue;
       }

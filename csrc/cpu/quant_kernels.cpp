@@ -79,6 +79,11 @@ void quantize_activations(Format format, const float* x, int64_t T, int64_t K, v
   vnni::quantize_activations(format, x, T, K, static_cast<vnni::BlockPair*>(x_int8));
 }
 
+void quantize_activations_fine(Format format, const float* x, int64_t T, int64_t K,
+                               void* x_int8) {
+  vnni::quantize_activations_fine(format, x, T, K, static_cast<vnni::BlockPair*>(x_int8));
+}
+
 void dot_rows_int8(Format format, const void* x_int8, int64_t T, int64_t K, const uint8_t* w,
                    int64_t rows, float* y, int64_t y_stride) {
   const auto* x = static_cast<const vnni::BlockPair*>(x_int8);

@@ -1,8 +1,10 @@
-// quantized_embedding on CPU: the rows ids of a table of GGUF blocks (any format
-// quantized_linear reads), dequantized to float32 one row at a time (the table itself stays
-// quantized).
+// quantized_embedding on CPU: the rows ids of a table of GGUF blocks (any format and layout
+// quantized_linear reads: a table tied to an output head in the x16 layout is read so too),
+// dequantized to float32 one row at a time (the table itself stays quantized).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <vector>
 
 #include "quant_blocks.h"
 
@@ -11,7 +13,8 @@ namespace {
 
 at::Tensor quantized_embedding_cpu(const at::Tensor& ids_in, const at::Tensor& qweight_in,
                                    c10::string_view format, int64_t embedding_dim) {
-  const cpu::quant::Format fmt = parse_quant_format(format);
+  const QuantLayout layout = parse_quant_layout(format);
+  const cpu::quant::Format fmt = layout.format;
   check_dim(ids_in, "ids", 1, "[T]");
   TORCH_CHECK(ids_in.scalar_type() == at::kLong || ids_in.scalar_type() == at::kInt,
               "ids must be int64 or int32, got ", ids_in.scalar_type());
@@ -22,6 +25,7 @@ at::Tensor quantized_embedding_cpu(const at::Tensor& ids_in, const at::Tensor& q
               "quantized_embedding runs on the CPU; qweight is on ", qweight_in.device(),
               " and ids on ", ids_in.device());
   check_block_rows(qweight_in, fmt, format, embedding_dim, "embedding_dim");
+  if (layout.rows16) check_rows16_rows(qweight_in, format, false);
   const int64_t row_bytes = cpu::quant::row_bytes(fmt, embedding_dim);
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
   const at::Tensor qweight = qweight_in.contiguous();
@@ -38,9 +42,14 @@ at::Tensor quantized_embedding_cpu(const at::Tensor& ids_in, const at::Tensor& q
   float* o = out.data_ptr<float>();
   // A row per task is ~2 KB of writes: only long prompts are worth the threads.
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> file_row(layout.rows16 ? row_bytes : 0);
     for (int64_t t = begin; t < end; ++t) {
-      cpu::quant::dequantize_rows(isa, fmt, w + id[t] * row_bytes, embedding_dim, 1,
-                                  o + t * embedding_dim);
+      const uint8_t* row = w + id[t] * row_bytes;
+      if (layout.rows16) {
+        cpu::quant::file_row_of_rows16(fmt, w, embedding_dim, id[t], file_row.data());
+        row = file_row.data();
+      }
+      cpu::quant::dequantize_rows(isa, fmt, row, embedding_dim, 1, o + t * embedding_dim);
     }
   });
   return out;

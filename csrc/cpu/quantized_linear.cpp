@@ -9,7 +9,9 @@
 // epilogue on the panel's output columns while they are in cache.
 // avx512_vnni's float32 x beyond kDotMaxTInt16 tokens takes the int16 GEMM instead of the panels
 // (orca/cpu/quant_int16.h: x rounded to int16 per block, each panel's quants unpacked to int16),
-// and so does amx_int8's where a call refuses int8 activations.
+// and so does amx_int8's where a call refuses int8 activations. On the x16 layout, such a call
+// of up to kFineMaxT tokens runs the int8 kernels on each token's two int8 parts and those of
+// their remainder (as fine as float32), and amx_int8's tiles beyond.
 // The kernels' ISA (portable, avx2, avx512, avx512_vnni: avx512 with int8 activations for up to
 // kInt8MaxT tokens, every format; amx_int8: avx512_vnni with AMX-INT8 tile products on
 // activations split into two int8 parts for more: any number of float32 tokens, up to
@@ -104,6 +106,14 @@ void check_block_rows(const at::Tensor& qweight, Format fmt, c10::string_view fo
               block, " weights)");
 }
 
+void check_rows16_rows(const at::Tensor& qweight, c10::string_view format, bool gated) {
+  const int64_t part_rows = gated ? qweight.size(0) / 2 : qweight.size(0);
+  TORCH_CHECK(part_rows % cpu::quant::kRowGroup == 0, "qweight in the x16 layout ('",
+              std::string(format), "') must have a multiple of ", cpu::quant::kRowGroup,
+              " rows", gated ? " in each of its gate and up halves" : "", ", got ",
+              qweight.size(0));
+}
+
 QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& qweight,
                                         c10::string_view format, int64_t in_features,
                                         const std::optional<at::Tensor>& bias,
@@ -126,13 +136,7 @@ QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& q
   check_block_rows(qweight, fmt, format, in_features, "in_features");
   TORCH_CHECK(x.size(1) == in_features, "x is ", shape_str(x), " but in_features = ",
               in_features, ": x.size(1) must equal in_features (K)");
-  if (layout.rows16) {
-    const int64_t part_rows = is_gated(act) ? qweight.size(0) / 2 : qweight.size(0);
-    TORCH_CHECK(part_rows % cpu::quant::kRowGroup == 0, "qweight in the x16 layout ('",
-                std::string(format), "') must have a multiple of ", cpu::quant::kRowGroup,
-                " rows", is_gated(act) ? " in each of its gate and up halves" : "", ", got ",
-                qweight.size(0));
-  }
+  if (layout.rows16) check_rows16_rows(qweight, format, is_gated(act));
   return {layout, act, check_epilogue_inputs(x, qweight.size(0), "qweight", act, bias, residual,
                                              norm, norm_weight, norm_bias, norm_eps)};
 }
@@ -293,7 +297,7 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
     const bool int16_gemm = kFloat && path == Int8Path::kNone &&
                             (isa == Isa::kAvx512Vnni || isa == Isa::kAmxInt8);
     const int64_t dot_max_t = path == Int8Path::kAmx    ? (kFloat ? T : kAmxMaxTBf16)
-                              : path == Int8Path::kVnni ? T
+                              : path == Int8Path::kVnni || path == Int8Path::kVnniFine ? T
                               : int16_gemm              ? kDotMaxTInt16
                               : kFloat                  ? kDotMaxTFloat
                                                         : kDotMaxTBf16;

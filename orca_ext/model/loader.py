@@ -26,7 +26,7 @@ from .config import ModelConfig
 from .decoder import Decoder
 from .gguf import GGUFCheckpoint, GGUFFile, gguf_tokenizer, hf_config
 from .dtypes import resolve_dtype
-from .quantized import (QuantizedWeight, interleave_decoder_rows, load_quantized_weights,
+from .quantized import (QuantizedWeight, interleave_rows, load_quantized_weights,
                         plan_quantization, quantize_modules)
 from .tokenizer import Tokenizer
 from .weights import Checkpoint, SafetensorsCheckpoint, load_hf_weights, save_hf_weights
@@ -280,7 +280,7 @@ def _load_model(name_or_path: str, dtype: torch.dtype | str, device: torch.devic
         if info.gguf is not None:
             info.gguf.release_pages()
     if plan:
-        interleave_decoder_rows(model)
+        interleave_rows(model)
     if tokenizer_build is not None:
         info = dataclasses.replace(info, tokenizer=tokenizer_build.result())
     return LoadedModel(info, model)

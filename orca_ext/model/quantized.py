@@ -8,8 +8,8 @@ quantized types, Q2_K, Q3_K and the other i-quants, converted to q8_0 at load) a
 model unquantized; ``"none"`` dequantizes everything; ``"q8_0"``, ``"q4_0"``, ``"q4_1"`` quantize
 every linear weight (and a tied embedding with the output head) at load. Quantized models run
 float32 activations by default, as llama.cpp does. Where the CPU's quantized kernels read it, the
-decoder linears' blocks are then rewritten in place in the x16 layout
-(``interleave_decoder_rows``).
+decoder linears' and the output head's blocks are then rewritten in place in the x16 layout
+(``interleave_rows``).
 """
 from __future__ import annotations
 
@@ -258,14 +258,17 @@ def rows16_formats(isa: str) -> tuple[str, ...]:
     return ops.QUANT_FORMATS if isa in ("avx512_vnni", "amx_int8") else ()
 
 
-def interleave_decoder_rows(model: nn.Module) -> None:
+def interleave_rows(model: nn.Module) -> None:
     """Rewrite in place, in the x16 layout, the blocks of the decoder blocks' quantized linears
-    whose format has one on the kernels this CPU runs (``_C.get_isa("quant")``) and whose rows
-    (each gated half's) are a multiple of 16: their decode steps then run one output row per
-    vector lane. The output head and the embedding keep the file's rows (the head's logits are
-    never rounded to int8, and the embedding gathers rows)."""
+    and of the output head whose format has one on the kernels this CPU runs
+    (``_C.get_isa("quant")``) and whose rows (each gated half's) are a multiple of 16: their
+    decode steps then run one output row per vector lane (the head's on its activations' int8
+    parts and their remainder's, as fine as float32). An embedding tied to the head reads its
+    rows so too; one that is not keeps the file's rows (it gathers rows)."""
     formats = rows16_formats(_C.get_isa("quant"))
-    for module in getattr(model, "layers", nn.ModuleList()).modules():
+    head = getattr(model, "lm_head", None)
+    linears = [*getattr(model, "layers", nn.ModuleList()).modules(), head]
+    for module in linears:
         if not isinstance(module, QuantizedLinear) or module.format not in formats:
             continue
         halves = 2 if module.activation in ops.GATED_ACTIVATIONS else 1
@@ -273,7 +276,10 @@ def interleave_decoder_rows(model: nn.Module) -> None:
             continue
         module.weight.copy_(ops.interleave_rows16(module.weight, module.format,
                                                   module.in_features))
-        module.format += ops.ROWS16_SUFFIX
+        tied = [embed for embed in model.modules()
+                if isinstance(embed, QuantizedEmbedding) and embed.weight is module.weight]
+        for layer in (module, *tied):
+            layer.format += ops.ROWS16_SUFFIX
 
 
 def logical_shape(module: Any) -> tuple[int, int]:

@@ -45,6 +45,12 @@ void quantize_activations(Format format, const float* x, int64_t T, int64_t K, v
 void dot_rows_int8(Format format, const void* x_int8, int64_t T, int64_t K, const uint8_t* w,
                    int64_t rows, float* y, int64_t y_stride);
 
+// x [T, K] as 2T tokens for dot_rows16_int8 (x_int8 of int8_activation_bytes(2T, K) bytes):
+// tokens 2t and 2t + 1 are x[t]'s two int8 parts and those of their remainder, so that the sum
+// of their dot products is as fine as float32 (a call that refuses int8 rounding).
+void quantize_activations_fine(Format format, const float* x, int64_t T, int64_t K,
+                               void* x_int8);
+
 // dot_rows_int8 on w in the x16 layout (quant_rows16.h; rows a multiple of kRowGroup).
 void dot_rows16_int8(Format format, const void* x_int8, int64_t T, int64_t K, const uint8_t* w,
                      int64_t rows, float* y, int64_t y_stride);

@@ -163,6 +163,38 @@ inline void convert_block(const uint8_t* in, uint8_t* out, int64_t row_bytes) {
 
 }  // namespace rows16
 
+// Row r of a weight of K weights a row in the x16 layout (w: its first group) in the file's
+// layout, row_bytes(f, K) bytes at out.
+inline void file_row_of_rows16(Format f, const uint8_t* w, int64_t K, int64_t r, uint8_t* out) {
+  dispatch_format(f, [&]<Format F>() {
+    constexpr rows16::Fields kFields = rows16::fields(F);
+    const int64_t row = row_bytes(F, K), blocks = K / weights_per_block(F);
+    const int64_t lane = r % kRowGroup;
+    const uint8_t* group = w + (r - lane) * row;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* in = group + b * kRowGroup * block_bytes(F);
+      uint8_t* block = out + b * block_bytes(F);
+      for (int i = 0; i < kFields.count; ++i) {
+        const rows16::Field field = kFields.field[i];
+        const uint8_t* base = in + rows16::group_at(F, i);
+        if (field.bytes == 2) {
+          std::memcpy(block + field.at, base + 2 * lane, 2);
+          continue;
+        }
+        for (int64_t v = 0; v < field.bytes / 4; ++v) {
+          std::memcpy(block + field.at + 4 * v, base + 64 * v + 4 * lane, 4);
+        }
+        if (rows16::has_high_bits(F) && i == rows16::high_bits_field(F)) {
+          uint32_t qh;
+          std::memcpy(&qh, block + field.at, 4);
+          qh = rows16::restore_high_bits(qh);
+          std::memcpy(block + field.at, &qh, 4);
+        }
+      }
+    }
+  });
+}
+
 // `rows` rows of K weights (rows a multiple of kRowGroup) from the file's layout into the x16
 // layout (kToGroup), or back; in and out do not overlap.
 template <bool kToGroup>

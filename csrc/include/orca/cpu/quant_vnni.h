@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "orca/cpu/quant_formats.h"
 #include "orca/cpu/quant_prefetch.h"
@@ -63,6 +64,24 @@ constexpr bool has_min(Format f) {
 // The block of lane l: contiguous lanes 0-7 are block 0, interleaved lanes 0-3 and 8-11.
 constexpr int lane_block(Format f, int l) { return interleaved_pairs(f) ? (l / 4) % 2 : l / 8; }
 
+// A block of 32 values xb as its two int8 parts: hi and lo, and dx (x = (256 hi + lo) dx / 256
+// + e, |e| <= dx / 512).
+inline float split_block(const float* xb, int8_t* hi, int8_t* lo) {
+  float amax = 0.f;
+  for (int j = 0; j < kBlockSize; ++j) amax = std::max(amax, std::fabs(xb[j]));
+  const float d = amax / 127.f;
+  const float inverse = d > 0.f ? 1.f / d : 0.f;
+  const float inverse_lo = 256.f * inverse;
+  for (int j = 0; j < kBlockSize; ++j) {
+    const float h = std::nearbyint(xb[j] * inverse);
+    // |x - hi dx| <= dx / 2 but for float rounding: lo clamped to int8.
+    const float l = std::nearbyint(std::fma(-h, d, xb[j]) * inverse_lo);
+    hi[j] = static_cast<int8_t>(h);
+    lo[j] = static_cast<int8_t>(std::clamp(l, -127.f, 127.f));
+  }
+  return d;
+}
+
 // x [T, K] (K a multiple of 32) as T * ceil(K / 64) block pairs, token by token.
 inline void quantize_activations(Format f, const float* x, int64_t T, int64_t K,
                                  BlockPair* out) {
@@ -73,19 +92,7 @@ inline void quantize_activations(Format f, const float* x, int64_t T, int64_t K,
       float d[2] = {0.f, 0.f};
       int8_t q[2][2][kBlockSize] = {};  // [hi or lo][block][value]
       for (int s = 0; s < 2 && 2 * p + s < blocks; ++s) {
-        const float* xb = x + t * K + (2 * p + s) * kBlockSize;
-        float amax = 0.f;
-        for (int j = 0; j < kBlockSize; ++j) amax = std::max(amax, std::fabs(xb[j]));
-        d[s] = amax / 127.f;
-        const float inverse = d[s] > 0.f ? 1.f / d[s] : 0.f;
-        const float inverse_lo = 256.f * inverse;
-        for (int j = 0; j < kBlockSize; ++j) {
-          const float hi = std::nearbyint(xb[j] * inverse);
-          // |x - hi dx| <= dx / 2 but for float rounding: lo clamped to int8.
-          const float lo = std::nearbyint(std::fma(-hi, d[s], xb[j]) * inverse_lo);
-          q[0][s][j] = static_cast<int8_t>(hi);
-          q[1][s][j] = static_cast<int8_t>(std::clamp(lo, -127.f, 127.f));
-        }
+        d[s] = split_block(x + t * K + (2 * p + s) * kBlockSize, q[0][s], q[1][s]);
       }
       // Where each 16 bytes of BlockPair::q come from: (block, first value).
       constexpr int kGroups[2][4][2] = {{{0, 0}, {0, 16}, {1, 0}, {1, 16}},
@@ -112,6 +119,29 @@ inline void quantize_activations(Format f, const float* x, int64_t T, int64_t K,
         o.sum[l] = o.unit[l] * static_cast<float>(sum);
       }
     }
+  }
+}
+
+// x [T, K] (K a multiple of 32) as 2T tokens of block pairs for a call that refuses int8
+// rounding: token 2t is x[t] split as quantize_activations splits it, token 2t + 1 the remainder
+// of that split, split again, so that the sum of their dot products is within
+// max |x| / (65024 * 65024) of each block of x[t], finer than float32's rounding of it.
+inline void quantize_activations_fine(Format f, const float* x, int64_t T, int64_t K,
+                                      BlockPair* out) {
+  const int64_t pairs = (K / kBlockSize + 1) / 2;
+  std::vector<float> remainder(K);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xt = x + t * K;
+    quantize_activations(f, xt, 1, K, out + 2 * t * pairs);
+    for (int64_t b = 0; b < K / kBlockSize; ++b) {
+      int8_t hi[kBlockSize], lo[kBlockSize];
+      const float unit = split_block(xt + b * kBlockSize, hi, lo) / 256.f;
+      for (int j = 0; j < kBlockSize; ++j) {
+        remainder[b * kBlockSize + j] =
+            std::fma(-static_cast<float>(256 * hi[j] + lo[j]), unit, xt[b * kBlockSize + j]);
+      }
+    }
+    quantize_activations(f, remainder.data(), 1, K, out + (2 * t + 1) * pairs);
   }
 }
 
