@@ -183,13 +183,14 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, format: str, in_fea
     ``q8_0`` on ``avx512_vnni`` and with ``int8_activations=False`` (the models' output heads, whose
     near-tied logits any rounding may flip); on the x16 layout they do so for up to 24 tokens on
     ``avx512_vnni``, 8 on ``amx_int8`` (every format, ``q8_0`` too), and with
-    ``int8_activations=False`` run up to 4 tokens as twice as many: each token's two parts and
-    those of its remainder (within ``max |x| / 65024**2``, finer than float32's rounding of x). Whatever
-    ``int8_activations`` says, ``avx512_vnni`` rounds more than 8 float32 tokens to int16 per block
-    of 32 (within ``max |x| / 65534``) for its int16 GEMM, and beyond those ``amx_int8`` (the
-    default where the CPU has AMX) multiplies every format on AMX tiles on activations split in
-    two int8 parts (within ``max |x| / 64516``), reading the x16 layout directly. The other
-    kernels read x16 rows de-interleaved into scratch and use the activations as given.
+    ``int8_activations=False`` run half as many tokens as twice as many: each token's two parts
+    and those of its remainder (within ``max |x| / 65024**2``, finer than float32's rounding of
+    x). Whatever ``int8_activations`` says, ``avx512_vnni`` rounds more float32 tokens (beyond 8
+    on the row layout, 12 on the x16 one) to int16 per block of 32 (within ``max |x| / 65534``)
+    for its int16 GEMM, and beyond those ``amx_int8`` (the default where the CPU has AMX)
+    multiplies every format on AMX tiles on activations split in two int8 parts (within
+    ``max |x| / 64516``); both read the x16 layout directly. The other kernels read x16 rows
+    de-interleaved into scratch and use the activations as given.
     """
     return torch.ops.orca.quantized_linear(x, qweight, format, in_features, bias, activation,
                                            residual, norm, norm_weight, norm_bias, norm_eps,

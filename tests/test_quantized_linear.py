@@ -517,27 +517,25 @@ def test_quantized_linear_rows16(isa, fmt, dtype, T, activation, with_bias, with
         assert torch.equal(out, row_layout)
 
 
-# Up to this many tokens a call that refuses int8 rounding (an output head's) on the x16 layout
-# runs the int8 kernels on each token's two int8 parts and on those of their remainder.
-ROWS16_FINE_MAX_T = 4
-
-
 def rows16_refusing_int8(isa: str, T: int, dtype: torch.dtype, fmt: str):
-    """How a call that refuses int8 rounding rounds T tokens on the x16 layout: as finely as
-    float32 (None) on the int8 kernels up to ROWS16_FINE_MAX_T; beyond, as on the row layout."""
-    if isa in ROWS16_INT8_MAX_T and T <= ROWS16_FINE_MAX_T:
+    """How a call that refuses int8 rounding (an output head's) rounds T tokens on the x16
+    layout: as finely as float32 (None) on the int8 kernels, which take each token's two int8
+    parts and those of their remainder, up to half the tokens they take; beyond, as on the row
+    layout."""
+    if T <= ROWS16_INT8_MAX_T.get(isa, 0) // 2:
         return None
     return rounding(isa, T, dtype, fmt, int8_activations=False)
 
 
 @pytest.mark.parametrize("fmt", FORMATS + STORED_FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T", [1, 2, 4, 5, 9, 25])
+@pytest.mark.parametrize("T", [1, 2, 4, 5, 12, 13, 25])
 def test_quantized_linear_rows16_refusing_int8(isa, fmt, dtype, T):
     """A call that refuses int8 rounding (an output head's logits, its final norm fused) on the
     x16 layout against gguf's weights and a float64 matmul on every ISA: its float32 rows
-    unrounded up to ROWS16_FINE_MAX_T tokens on avx512_vnni and amx_int8; beyond, amx_int8's
-    tiles reading the layout directly, and the other kernels on its rows de-interleaved."""
+    unrounded up to 12 tokens on avx512_vnni (in passes of 4), 4 on amx_int8; beyond, amx_int8's
+    tiles and avx512_vnni's int16 GEMM reading the layout directly, and the other kernels on its
+    rows de-interleaved; then the row layout's results bit for bit."""
     K, N = (96 if block_weights(fmt) == 32 else 512), 48
     q, w = quantized(fmt, K, N)
     x, _, _, norm_args = epilogue_inputs(T, K, N, dtype, "none", False, False, "rms_norm")
@@ -545,11 +543,15 @@ def test_quantized_linear_rows16_refusing_int8(isa, fmt, dtype, T):
                                None, "none", None, *norm_args, int8_activations=False)
     rounded = rows16_refusing_int8(isa, T, dtype, fmt)
     assert_close(out, epilogue_reference(x, w, None, "none", None, norm_args, rounded), dtype)
+    if T > ROWS16_INT8_MAX_T.get(isa, 0) // 2:
+        row_layout = ops.quantized_linear(x, q, fmt, K, None, "none", None, *norm_args,
+                                          int8_activations=False)
+        assert torch.equal(out, row_layout)
 
 
 @pytest.mark.parametrize("fmt", FORMATS + STORED_FORMATS)
-@pytest.mark.parametrize("isa", ["avx512_vnni", "amx_int8"])
-@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("isa,T", [("avx512_vnni", 1), ("avx512_vnni", 12), ("amx_int8", 1),
+                                   ("amx_int8", 4)])
 def test_rows16_refusing_int8_is_as_fine_as_float32(fmt, isa, T, force_isa):
     """The x16 layout's int8 kernels on the activations' split and their remainder's split are
     as close to a float64 matmul as the float32 kernels on the row layout (within 4x their

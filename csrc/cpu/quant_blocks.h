@@ -30,14 +30,12 @@ constexpr int64_t kRows16AmxMaxT = cpu::quant::kMaxDotTokens;
 // block for the VNNI kernels (kAvx512Vnni and kAmxInt8, up to kInt8MaxT tokens, kRows16Int8MaxT
 // or kRows16AmxMaxT on the x16 layout, where the call allows int8 rounding; within
 // max |x| / 65024 of each block); on the x16 layout, where the call refuses int8 rounding (the
-// output heads), for up to kFineMaxT tokens, split so and their remainder split again (kVnniFine,
-// as fine as float32: quantize_activations_fine); or split in two int8 parts in the tiles'
-// layout for kAmxInt8's tile kernels (more tokens; within max |x| / 64516 of each block, finer
-// than bfloat16, so taken whether or not the call allows int8 rounding).
+// output heads), for up to half those tokens, split so and their remainder split again
+// (kVnniFine, as fine as float32: quantize_activations_fine; twice the tokens for the kernels);
+// or split in two int8 parts in the tiles' layout for kAmxInt8's tile kernels (more tokens;
+// within max |x| / 64516 of each block, finer than bfloat16, so taken whether or not the call
+// allows int8 rounding).
 enum class Int8Path { kNone, kVnni, kVnniFine, kAmx };
-
-// The most tokens kVnniFine takes: twice as many tokens in one pass of the dot kernels.
-constexpr int64_t kFineMaxT = cpu::quant::kMaxDotTokens / 2;
 
 // The format named 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q4_K', 'q5_K' or 'q6_K' (ggml's
 // type names) or 'q8_m' (orca's); a RuntimeError naming `what` otherwise.
@@ -83,22 +81,21 @@ QuantArgs check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& q
                                         double norm_eps);
 
 // The path of T tokens of the format on the ISA (allow_int8: whether the call allows int8
-// rounding): amx_int8's tiles beyond the int8 dot kernels' tokens, and on the x16 layout
-// beyond kVnniFine's where the call refuses int8 rounding (the float kernels would read its rows
-// de-interleaved); avx512_vnni runs q8_0's 1-2 token steps on the float kernels in the row
-// layout: its int8 kernel there is compute-bound below the float kernel's memory rate on
-// weights streamed from DRAM (the x16 layout's is not).
+// rounding): amx_int8's tiles beyond the int8 dot kernels' tokens (where the call refuses int8
+// rounding on the x16 layout: beyond kVnniFine's); avx512_vnni runs q8_0's 1-2 token steps on
+// the float kernels in the row layout: its int8 kernel there is compute-bound below the float
+// kernel's memory rate on weights streamed from DRAM (the x16 layout's is not).
 inline Int8Path int8_path(cpu::quant::Isa isa, QuantLayout layout, int64_t T, bool allow_int8) {
   using cpu::quant::Isa;
-  const bool int8_isa = isa == Isa::kAvx512Vnni || isa == Isa::kAmxInt8;
-  if (layout.rows16 && int8_isa && !allow_int8) {
-    return T <= kFineMaxT ? Int8Path::kVnniFine
-           : isa == Isa::kAmxInt8 ? Int8Path::kAmx
-                                  : Int8Path::kNone;
-  }
   const int64_t vnni_max_t = !layout.rows16         ? kInt8MaxT
                             : isa == Isa::kAmxInt8 ? kRows16AmxMaxT
                                                    : kRows16Int8MaxT;
+  const bool int8_isa = isa == Isa::kAvx512Vnni || isa == Isa::kAmxInt8;
+  if (layout.rows16 && int8_isa && !allow_int8) {
+    return 2 * T <= vnni_max_t ? Int8Path::kVnniFine
+           : isa == Isa::kAmxInt8 ? Int8Path::kAmx
+                                  : Int8Path::kNone;
+  }
   if (T <= vnni_max_t) {
     const bool q8_0_rows = layout.format == cpu::quant::Format::kQ8_0 && !layout.rows16;
     const bool vnni = (isa == Isa::kAvx512Vnni && !q8_0_rows) || isa == Isa::kAmxInt8;
@@ -175,12 +172,17 @@ void quant_dot_groups(cpu::quant::Isa isa, QuantLayout layout, const float* x, I
         continue;
       }
       if (path == Int8Path::kVnniFine) {
-        // Each token's two rows of products (its split, its remainder's) summed.
-        float pairs[2 * kFineMaxT * B];
-        cpu::quant::dot_rows16_int8(fmt, x_int8, 2 * T, K, rows, cols, pairs, B);
-        for (int64_t t = 0; t < T; ++t) {
-          for (int64_t c = 0; c < cols; ++c) {
-            y[part][t * B + c] = pairs[2 * t * B + c] + pairs[(2 * t + 1) * B + c];
+        // Each token's two rows of products (its split, its remainder's) summed, kChunk rows
+        // a pass.
+        float pairs[kChunk * B];
+        for (int64_t t0 = 0; t0 < 2 * T; t0 += kChunk) {
+          const int64_t count = std::min(kChunk, 2 * T - t0);
+          cpu::quant::dot_rows16_int8(fmt, x_int8 + cpu::quant::int8_activation_bytes(t0, K),
+                                      count, K, rows, cols, pairs, B);
+          for (int64_t t = 0; t < count / 2; ++t) {
+            for (int64_t c = 0; c < cols; ++c) {
+              y[part][(t0 / 2 + t) * B + c] = pairs[2 * t * B + c] + pairs[(2 * t + 1) * B + c];
+            }
           }
         }
         continue;

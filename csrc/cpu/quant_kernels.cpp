@@ -135,10 +135,12 @@ int64_t int16_group_weights(Format format) { return int16::group_weights(format)
 
 int64_t int16_padded_rows(int64_t rows) { return int16::padded_rows(rows); }
 
-void unpack_rows_int16(Format format, const uint8_t* w, int64_t K, int64_t rows,
+void unpack_rows_int16(Format format, const uint8_t* w, bool rows16, int64_t K, int64_t rows,
                        int16_t* quants, float* scales, float* offsets) {
   dispatch_format(format, [&]<Format F>() {
-    int16::unpack_rows<F>(w, K, rows, int16::padded_rows(rows), quants, scales, offsets);
+    const int64_t padded = int16::padded_rows(rows);
+    if (rows16) return int16::unpack_rows16<F>(w, K, rows, padded, quants, scales, offsets);
+    int16::unpack_rows<F>(w, K, rows, padded, quants, scales, offsets);
   });
 }
 

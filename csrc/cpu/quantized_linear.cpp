@@ -10,8 +10,8 @@
 // avx512_vnni's float32 x beyond kDotMaxTInt16 tokens takes the int16 GEMM instead of the panels
 // (orca/cpu/quant_int16.h: x rounded to int16 per block, each panel's quants unpacked to int16),
 // and so does amx_int8's where a call refuses int8 activations. On the x16 layout, such a call
-// of up to kFineMaxT tokens runs the int8 kernels on each token's two int8 parts and those of
-// their remainder (as fine as float32), and amx_int8's tiles beyond.
+// of up to 12 tokens (4 on amx_int8) runs the int8 kernels on each token's two int8 parts and
+// those of their remainder (as fine as float32), and amx_int8's tiles beyond.
 // The kernels' ISA (portable, avx2, avx512, avx512_vnni: avx512 with int8 activations for up to
 // kInt8MaxT tokens, every format; amx_int8: avx512_vnni with AMX-INT8 tile products on
 // activations split into two int8 parts for more: any number of float32 tokens, up to
@@ -246,13 +246,11 @@ void int16_linear(QuantLayout layout, const at::Tensor& x, const uint8_t* w, con
     const auto scales = std::make_unique_for_overwrite<float[]>(padded * groups);
     const auto offsets = std::make_unique_for_overwrite<float[]>(padded * (K / 32));
     const auto y = std::make_unique_for_overwrite<float[]>(T * parts * rows_per_panel);
-    std::vector<uint8_t> file_layout;
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * rows_per_panel, rows = std::min(rows_per_panel, N - n0);
       for (int64_t part = 0; part < parts; ++part) {
-        cpu::quant::unpack_rows_int16(
-            fmt, file_rows(layout, w + (part * half + n0) * row_bytes, K, rows, file_layout), K,
-            rows, quants.get(), scales.get(), offsets.get());
+        cpu::quant::unpack_rows_int16(fmt, w + (part * half + n0) * row_bytes, layout.rows16, K,
+                                      rows, quants.get(), scales.get(), offsets.get());
         cpu::quant::gemm_rows_int16(fmt, x_int16.get(), T, K, quants.get(), scales.get(),
                                     offsets.get(), rows, y.get() + part * rows, parts * rows);
       }

@@ -177,37 +177,6 @@ struct RowGroup {
   const float* m;
 };
 
-// The 8 B rows (quant vectors of 4 values of the 16 rows) of chunk c (values 32c to 32c + 31)
-// of a group block `block` (a K-quant's super-block, c < 8; else c = 0), signed where the
-// format has no min, and the chunk's units' d and m into d[u * kTile ...], m[u * kTile ...].
-template <Format F, int c>
-inline void unpack_chunk(const uint8_t* block, __m512i (&b)[8], float* d, float* m) {
-  if constexpr (is_k_quant(F)) {
-    vnni::k_chunk_quants<F, c>(block, b);
-    __m512 scale[2], min;
-    vnni::k_chunk_scales<F, c>(block, scale, min);
-    _mm512_storeu_ps(d, scale[0]);
-    if constexpr (F == Format::kQ6_K) _mm512_storeu_ps(d + kTile, scale[1]);
-    if constexpr (vnni::has_min(F)) _mm512_storeu_ps(m, _mm512_sub_ps(_mm512_setzero_ps(), min));
-  } else {
-    const __m512i high_bits = vnni::block_high_bits<F>(block);
-    constexpr bool kFourBit = rows16::quant_vectors(F) == 4;
-    vnni::unrolled<rows16::quant_vectors(F)>([&]<int v>() {
-      __m512i second;
-      vnni::block_quants<F, v>(block, high_bits, b[v], second);
-      if constexpr (kFourBit) b[4 + v] = second;
-    });
-    _mm512_storeu_ps(d, vnni::load_halves(block));
-    if constexpr (vnni::has_min(F)) {
-      _mm512_storeu_ps(m, vnni::load_halves(block + rows16::group_at(F, 1)));
-    }
-  }
-  if constexpr (!vnni::has_min(F)) {
-    const __m512i zero = _mm512_set1_epi8(static_cast<char>(vnni::quant_zero(F)));
-    for (auto& row : b) row = _mm512_sub_epi8(row, zero);
-  }
-}
-
 // The group of 16 weight rows `group` (the x16 layout's, K values each) laid out in scratch.
 template <Format F>
 inline RowGroup prepare_rows(const uint8_t* group, int64_t K, std::vector<uint8_t>& scratch) {
@@ -227,7 +196,7 @@ inline RowGroup prepare_rows(const uint8_t* group, int64_t K, std::vector<uint8_
     vnni::unrolled<kChunks>([&]<int c>() {
       const int64_t chunk = blk * kChunks + c, unit = chunk * kUnitsPerChunk;
       __m512i b[8];
-      unpack_chunk<F, c>(block, b, d + unit * kTile, m + unit * kTile);
+      vnni::unpack_chunk<F, c>(block, b, d + unit * kTile, m + unit * kTile);
       auto* out = reinterpret_cast<__m512i*>(panel + chunk * kBlockSize * kTile);
       for (int r = 0; r < 8; ++r) _mm512_storeu_si512(out + r, b[r]);
     });

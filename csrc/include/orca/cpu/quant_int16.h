@@ -17,7 +17,9 @@
 #include <cstring>
 
 #include "orca/cpu/quant_formats.h"
+#include "orca/cpu/quant_rows16.h"
 #include "orca/cpu/quant_vnni.h"
+#include "orca/cpu/quant_vnni_rows16.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
@@ -126,6 +128,73 @@ void unpack_rows(const uint8_t* w, int64_t K, int64_t rows, int64_t padded, int1
           if (vnni::has_min(F)) offset[2 * p + 1] = lane_m[second];
         }
       }
+    }
+  }
+  std::memset(quants + rows * K, 0, (padded - rows) * K * sizeof(int16_t));
+  std::memset(scales + rows * groups, 0, (padded - rows) * groups * sizeof(float));
+  std::memset(offsets + rows * blocks, 0, (padded - rows) * blocks * sizeof(float));
+}
+
+// The quant vectors b of a chunk of 16 rows (vector v: values 4v to 4v + 3 of row r in dword r)
+// as each row's 32 values widened to int16 (row r at quants + r * K; bytes signed or unsigned):
+// an 8 x 16 dword transpose in registers. After the unpacks, u[k] (values 0-15) and u[4 + k]
+// (16-31) hold rows k, 4 + k, 8 + k and 12 + k in their 128-bit lanes 0 to 3.
+template <bool kSigned>
+inline void store_rows_int16(const __m512i (&b)[8], int64_t K, int16_t* quants) {
+  __m512i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(b[2 * i], b[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(b[2 * i], b[2 * i + 1]);
+  }
+  for (int half = 0; half < 2; ++half) {
+    const __m512i* h = t + 4 * half;
+    u[4 * half] = _mm512_unpacklo_epi64(h[0], h[2]);
+    u[4 * half + 1] = _mm512_unpackhi_epi64(h[0], h[2]);
+    u[4 * half + 2] = _mm512_unpacklo_epi64(h[1], h[3]);
+    u[4 * half + 3] = _mm512_unpackhi_epi64(h[1], h[3]);
+  }
+  const auto widen = [](__m256i bytes) {
+    return kSigned ? _mm512_cvtepi8_epi16(bytes) : _mm512_cvtepu8_epi16(bytes);
+  };
+  const auto store = [&](int64_t r, __m512i two_rows) {
+    _mm512_storeu_si512(quants + r * K, widen(_mm512_castsi512_si256(two_rows)));
+    _mm512_storeu_si512(quants + (r + 4) * K, widen(_mm512_extracti64x4_epi64(two_rows, 1)));
+  };
+  constexpr int kOrder = _MM_SHUFFLE(3, 1, 2, 0);  // [a.0, b.0, a.1, b.1] from [a.0, a.1, b.0, b.1]
+  for (int k = 0; k < 4; ++k) {
+    const __m512i first = _mm512_shuffle_i32x4(u[k], u[4 + k], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i second = _mm512_shuffle_i32x4(u[k], u[4 + k], _MM_SHUFFLE(3, 2, 3, 2));
+    store(k, _mm512_shuffle_i32x4(first, first, kOrder));
+    store(8 + k, _mm512_shuffle_i32x4(second, second, kOrder));
+  }
+}
+
+// unpack_rows on rows in the x16 layout (rows a multiple of kRowGroup): each chunk's quant
+// vectors and scales as the AMX tiles unpack them, transposed to rows in registers.
+template <Format F>
+void unpack_rows16(const uint8_t* w, int64_t K, int64_t rows, int64_t padded, int16_t* quants,
+                   float* scales, float* offsets) {
+  constexpr int kChunks = static_cast<int>(weights_per_block(F) / kBlockSize);
+  constexpr int64_t kGroupsPerChunk = kBlockSize / group_weights(F);
+  const int64_t groups = K / group_weights(F), blocks = K / kBlockSize;
+  const int64_t group_bytes = kRowGroup * row_bytes(F, K);
+  for (int64_t g = 0; g < rows / kRowGroup; ++g) {
+    for (int64_t blk = 0; blk < K / weights_per_block(F); ++blk) {
+      const uint8_t* block = w + g * group_bytes + blk * kRowGroup * block_bytes(F);
+      vnni::unrolled<kChunks>([&]<int c>() {
+        const int64_t chunk = blk * kChunks + c;
+        __m512i b[8];
+        alignas(64) float d[2 * kRowGroup], m[kRowGroup];
+        vnni::unpack_chunk<F, c>(block, b, d, m);
+        store_rows_int16<!vnni::has_min(F)>(b, K, quants + g * kRowGroup * K + chunk * kBlockSize);
+        for (int64_t r = 0; r < kRowGroup; ++r) {
+          const int64_t row = g * kRowGroup + r;
+          for (int64_t i = 0; i < kGroupsPerChunk; ++i) {
+            scales[row * groups + chunk * kGroupsPerChunk + i] = d[i * kRowGroup + r];
+          }
+          if constexpr (vnni::has_min(F)) offsets[row * blocks + chunk] = m[r];
+        }
+      });
     }
   }
   std::memset(quants + rows * K, 0, (padded - rows) * K * sizeof(int16_t));

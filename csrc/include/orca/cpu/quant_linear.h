@@ -69,7 +69,8 @@ void dot_rows_amx(Format format, const void* x_amx, int64_t T, int64_t K, const 
 
 // kAvx512Vnni's GEMM for more tokens (quant_int16.h): x [T, K] rounded to int16 per block in
 // int16_tiles(T) tiles of 16 tokens (int16_activation_bytes(T, K) bytes; tiles [begin, end) per
-// call, so that threads can share them); a panel of `rows` rows of w unpacked into
+// call, so that threads can share them); a panel of `rows` rows of w (in the x16 layout if
+// rows16: rows a multiple of kRowGroup) unpacked into
 // int16_padded_rows(rows) rows of quants [padded, K], scales [padded, K /
 // int16_group_weights(format)] and offsets [padded, K / 32]; and all T tokens against the panel.
 int64_t int16_tiles(int64_t T);
@@ -78,7 +79,7 @@ void quantize_activations_int16(const float* x, int64_t T, int64_t K, int64_t be
                                 int64_t end, void* x_int16);
 int64_t int16_group_weights(Format format);
 int64_t int16_padded_rows(int64_t rows);
-void unpack_rows_int16(Format format, const uint8_t* w, int64_t K, int64_t rows,
+void unpack_rows_int16(Format format, const uint8_t* w, bool rows16, int64_t K, int64_t rows,
                        int16_t* quants, float* scales, float* offsets);
 void gemm_rows_int16(Format format, const void* x_int16, int64_t T, int64_t K,
                      const int16_t* quants, const float* scales, const float* offsets,

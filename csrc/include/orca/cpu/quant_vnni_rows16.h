@@ -275,6 +275,38 @@ inline void dot_group_k(const BlockPair* x, int64_t K, const uint8_t* w, float* 
   for (int t = 0; t < kT; ++t) _mm512_storeu_ps(y + t * y_stride, acc[t]);
 }
 
+// The 8 quant vectors (4 values of each of the 16 rows, as AMX's B tile rows) of chunk c (values
+// 32c to 32c + 31) of a group block `block` (a K-quant's super-block, c < 8; else c = 0), signed
+// where the format has no min, and the 16 rows' d and m of the chunk's units (q6_K: two of 16
+// values) into d[16 u ...], m[16 u ...] (m: the offset, q4_1's m, q4_K's -dmin mn).
+template <Format F, int c>
+inline void unpack_chunk(const uint8_t* block, __m512i (&b)[8], float* d, float* m) {
+  if constexpr (is_k_quant(F)) {
+    k_chunk_quants<F, c>(block, b);
+    __m512 scale[2], min;
+    k_chunk_scales<F, c>(block, scale, min);
+    _mm512_storeu_ps(d, scale[0]);
+    if constexpr (F == Format::kQ6_K) _mm512_storeu_ps(d + kRowGroup, scale[1]);
+    if constexpr (has_min(F)) _mm512_storeu_ps(m, _mm512_sub_ps(_mm512_setzero_ps(), min));
+  } else {
+    const __m512i high_bits = block_high_bits<F>(block);
+    constexpr bool kFourBit = rows16::quant_vectors(F) == 4;
+    unrolled<rows16::quant_vectors(F)>([&]<int v>() {
+      __m512i second;
+      block_quants<F, v>(block, high_bits, b[v], second);
+      if constexpr (kFourBit) b[4 + v] = second;
+    });
+    _mm512_storeu_ps(d, load_halves(block));
+    if constexpr (has_min(F)) {
+      _mm512_storeu_ps(m, load_halves(block + rows16::group_at(F, 1)));
+    }
+  }
+  if constexpr (!has_min(F)) {
+    const __m512i zero = _mm512_set1_epi8(static_cast<char>(quant_zero(F)));
+    for (auto& row : b) row = _mm512_sub_epi8(row, zero);
+  }
+}
+
 // `rows` rows (a multiple of kRowGroup) of the x16 layout's w against kT tokens.
 template <Format F, int kT>
 void dot_rows16(const BlockPair* x, int64_t K, const uint8_t* w, int64_t rows, float* y,
