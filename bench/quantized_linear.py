@@ -10,7 +10,8 @@ bandwidth, the weight bytes it reads per call over that time (float weights: 4 o
 weight; blocks: 34, 18 or 20 bytes per 32).
 With --model: each distinct linear (format, shape, activation) of a GGUF model in its stored
 formats, float32 x: quantized_linear against packed_linear on the same weights dequantized to
-float32, median ms and GFLOP/s (2 T N K per call).
+float32, median ms and GFLOP/s (2 T N K per call); the output head as its logits call it
+(``int8_activations=False``).
 ORCA_QUANT_ISA=portable|avx2|avx512|avx512_vnni|amx_int8 forces the quantized kernels' path.
 """
 from __future__ import annotations
@@ -100,8 +101,10 @@ def model_linears(model: str, tokens: list[int], seconds: float) -> None:
         for T in tokens:
             x = torch.randn(T, K, generator=gen)
             cells = []
+            int8 = name != "lm_head"
             for fn in (lambda: ops.packed_linear(x, w, None, act),
-                       lambda: ops.quantized_linear(x, q, fmt, K, None, act)):
+                       lambda: ops.quantized_linear(x, q, fmt, K, None, act,
+                                                    int8_activations=int8)):
                 t = time_fn(fn, min_seconds=seconds)
                 cells.append(f"{t * 1e3:9.3f} {2 * T * N * K / t / 1e9:7.1f}")
             print(f"{name:<22} {fmt:<6} {f'{N} x {K}':>12} {T:>4} "

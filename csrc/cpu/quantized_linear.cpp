@@ -11,7 +11,7 @@
 // (orca/cpu/quant_int16.h: x rounded to int16 per block, each panel's quants unpacked to int16),
 // and so does amx_int8's where a call refuses int8 activations. On the x16 layout, such a call
 // of up to 12 tokens (4 on amx_int8) runs the int8 kernels on each token's two int8 parts and
-// those of their remainder (as fine as float32), and amx_int8's tiles beyond.
+// those of their remainder (as fine as float32); more take the int16 GEMM or amx_int8's tiles.
 // The kernels' ISA (portable, avx2, avx512, avx512_vnni: avx512 with int8 activations for up to
 // kInt8MaxT tokens, every format; amx_int8: avx512_vnni with AMX-INT8 tile products on
 // activations split into two int8 parts for more: any number of float32 tokens, up to
@@ -294,8 +294,9 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweigh
     constexpr bool kFloat = std::is_same_v<scalar_t, float>;
     const bool int16_gemm = kFloat && path == Int8Path::kNone &&
                             (isa == Isa::kAvx512Vnni || isa == Isa::kAmxInt8);
+    const bool int8_dot = path == Int8Path::kVnni || path == Int8Path::kVnniFine;
     const int64_t dot_max_t = path == Int8Path::kAmx    ? (kFloat ? T : kAmxMaxTBf16)
-                              : path == Int8Path::kVnni || path == Int8Path::kVnniFine ? T
+                              : int8_dot                ? T
                               : int16_gemm              ? kDotMaxTInt16
                               : kFloat                  ? kDotMaxTFloat
                                                         : kDotMaxTBf16;

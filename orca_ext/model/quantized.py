@@ -268,18 +268,29 @@ def interleave_rows(model: nn.Module) -> None:
     formats = rows16_formats(_C.get_isa("quant"))
     head = getattr(model, "lm_head", None)
     linears = [*getattr(model, "layers", nn.ModuleList()).modules(), head]
+    embeddings = [m for m in model.modules() if isinstance(m, QuantizedEmbedding)]
     for module in linears:
         if not isinstance(module, QuantizedLinear) or module.format not in formats:
             continue
         halves = 2 if module.activation in ops.GATED_ACTIVATIONS else 1
         if module.weight.shape[0] % (16 * halves):
             continue
-        module.weight.copy_(ops.interleave_rows16(module.weight, module.format,
-                                                  module.in_features))
-        tied = [embed for embed in model.modules()
-                if isinstance(embed, QuantizedEmbedding) and embed.weight is module.weight]
+        _interleave_in_place(module.weight, module.format, module.in_features)
+        tied = [embed for embed in embeddings if embed.weight is module.weight]
         for layer in (module, *tied):
             layer.format += ops.ROWS16_SUFFIX
+
+
+# Rows rewritten per interleave_rows16 call: a slice in cache, not a copy of a whole output head.
+_INTERLEAVE_SLICE_BYTES = 4 << 20
+
+
+def _interleave_in_place(weight: torch.Tensor, format: str, in_features: int) -> None:
+    """``weight``'s rows (a multiple of 16) rewritten in the x16 layout, slice by slice."""
+    rows = max(16, _INTERLEAVE_SLICE_BYTES // weight.shape[1] // 16 * 16)
+    for start in range(0, weight.shape[0], rows):
+        part = weight[start:start + rows]
+        part.copy_(ops.interleave_rows16(part, format, in_features))
 
 
 def logical_shape(module: Any) -> tuple[int, int]:
