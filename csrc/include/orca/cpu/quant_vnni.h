@@ -124,8 +124,8 @@ inline void quantize_activations(Format f, const float* x, int64_t T, int64_t K,
 
 // x [T, K] (K a multiple of 32) as 2T tokens of block pairs for a call that refuses int8
 // rounding: token 2t is x[t] split as quantize_activations splits it, token 2t + 1 the remainder
-// of that split, split again, so that the sum of their dot products is within
-// max |x| / (65024 * 65024) of each block of x[t], finer than float32's rounding of it.
+// of that split, split again, so that the two together stand for x[t] within
+// max |x| / (65024 * 65024) of each block, finer than float32's rounding of it.
 inline void quantize_activations_fine(Format f, const float* x, int64_t T, int64_t K,
                                       BlockPair* out) {
   const int64_t pairs = (K / kBlockSize + 1) / 2;
