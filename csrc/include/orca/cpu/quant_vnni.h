@@ -82,9 +82,10 @@ inline float split_block(const float* xb, int8_t* hi, int8_t* lo) {
   return d;
 }
 
-// x [T, K] (K a multiple of 32) as T * ceil(K / 64) block pairs, token by token.
+// x [T, K] (K a multiple of 32) as T * ceil(K / 64) block pairs, token by token; where given,
+// remainder [T, K] gets what the split leaves of x, x - (256 hi + lo) dx / 256.
 inline void quantize_activations(Format f, const float* x, int64_t T, int64_t K,
-                                 BlockPair* out) {
+                                 BlockPair* out, float* remainder = nullptr) {
   const int64_t blocks = K / kBlockSize, pairs = (blocks + 1) / 2;
   const int32_t zero = quant_zero(f);
   for (int64_t t = 0; t < T; ++t) {
@@ -92,7 +93,13 @@ inline void quantize_activations(Format f, const float* x, int64_t T, int64_t K,
       float d[2] = {0.f, 0.f};
       int8_t q[2][2][kBlockSize] = {};  // [hi or lo][block][value]
       for (int s = 0; s < 2 && 2 * p + s < blocks; ++s) {
-        d[s] = split_block(x + t * K + (2 * p + s) * kBlockSize, q[0][s], q[1][s]);
+        const int64_t at = t * K + (2 * p + s) * kBlockSize;
+        d[s] = split_block(x + at, q[0][s], q[1][s]);
+        if (remainder == nullptr) continue;
+        for (int j = 0; j < kBlockSize; ++j) {
+          remainder[at + j] = std::fma(-static_cast<float>(256 * q[0][s][j] + q[1][s][j]),
+                                       d[s] / 256.f, x[at + j]);
+        }
       }
       // Where each 16 bytes of BlockPair::q come from: (block, first value).
       constexpr int kGroups[2][4][2] = {{{0, 0}, {0, 16}, {1, 0}, {1, 16}},
@@ -131,16 +138,7 @@ inline void quantize_activations_fine(Format f, const float* x, int64_t T, int64
   const int64_t pairs = (K / kBlockSize + 1) / 2;
   std::vector<float> remainder(K);
   for (int64_t t = 0; t < T; ++t) {
-    const float* xt = x + t * K;
-    quantize_activations(f, xt, 1, K, out + 2 * t * pairs);
-    for (int64_t b = 0; b < K / kBlockSize; ++b) {
-      int8_t hi[kBlockSize], lo[kBlockSize];
-      const float unit = split_block(xt + b * kBlockSize, hi, lo) / 256.f;
-      for (int j = 0; j < kBlockSize; ++j) {
-        remainder[b * kBlockSize + j] =
-            std::fma(-static_cast<float>(256 * hi[j] + lo[j]), unit, xt[b * kBlockSize + j]);
-      }
-    }
+    quantize_activations(f, x + t * K, 1, K, out + 2 * t * pairs, remainder.data());
     quantize_activations(f, remainder.data(), 1, K, out + (2 * t + 1) * pairs);
   }
 }
